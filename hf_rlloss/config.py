@@ -1,0 +1,204 @@
+"""Loss configurations: pydantic models validated at construction that build loss contexts from data."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch.distributed.device_mesh import DeviceMesh
+
+from .kl import KL_TYPES
+from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, registered_policy_losses
+
+if TYPE_CHECKING:
+    from .context import BaseRLLossContext
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+"]
+assert set(AggMode.__args__) == set(AGG_MODES) and set(KLType.__args__) == set(KL_TYPES)
+
+
+class PolicyLossConfig(BaseModel):
+    """Parameters of the policy loss (``BaseRLLossConfig.policy_loss_cfg``; a plain dict is accepted there).
+
+    Args:
+        loss_type (`str`, *optional*, defaults to `"vanilla"`): a registered loss (`vanilla`, `gspo`, `cispo`, `gpg`,
+            `sapo`, `geo_mean`, or one added with `register_policy_loss`) or a dotted import path to a loss function.
+        cliprange_low (`float`, *optional*): lower clip range ε_low, in `[0, 1)`; the ratio is clipped at `1 − ε_low`
+            (in log space for `geo_mean`). Defaults to the loss's own default (0.2; GSPO 3e-4; GMPO 0.4).
+        cliprange_high (`float`, *optional*): upper clip range ε_high ≥ 0 (DAPO's clip-higher uses 0.28). Defaults to
+            the loss's own default (0.2; GSPO 4e-4; GMPO 0.4).
+        clip_ratio_c (`float`, *optional*, defaults to `3.0`): dual-clip bound `c > 1` for negative advantages
+            (`vanilla`).
+        log_prob_diff_min (`float`, *optional*, defaults to `-20.0`): lower clamp of `log π_θ − log π_old`.
+        log_prob_diff_max (`float`, *optional*, defaults to `20.0`): upper clamp of `log π_θ − log π_old`.
+        tau_pos (`float`, *optional*, defaults to `1.0`): SAPO gate temperature for positive advantages.
+        tau_neg (`float`, *optional*, defaults to `1.05`): SAPO gate temperature for non-positive advantages.
+
+    A loss given by import path may take extra keys; a registered loss rejects unknown ones.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    loss_type: str = "vanilla"
+    cliprange_low: float | None = None
+    cliprange_high: float | None = None
+    clip_ratio_c: float = 3.0
+    log_prob_diff_min: float = -20.0
+    log_prob_diff_max: float = 20.0
+    tau_pos: float = Field(1.0, gt=0)
+    tau_neg: float = Field(1.05, gt=0)
+
+    @model_validator(mode="after")
+    def _validate(self) -> PolicyLossConfig:
+        spec = get_policy_loss(self.loss_type)
+        if self.model_extra and self.loss_type in registered_policy_losses():
+            allowed = ", ".join(type(self).model_fields)
+            raise ValueError(
+                f"unknown key(s) {sorted(self.model_extra)} for loss_type={self.loss_type!r}; allowed: {allowed}"
+            )
+        for key, value in {"cliprange_low": 0.2, "cliprange_high": 0.2, **spec.defaults}.items():
+            if getattr(self, key, None) is None:
+                self.__dict__[key] = value  # bypass validate_assignment: we are inside the validator
+        if not 0.0 <= self.cliprange_low < 1.0:
+            raise ValueError(
+                f"cliprange_low={self.cliprange_low} must be in [0, 1): the lower clip bound 1 - cliprange_low is > 0"
+            )
+        if self.cliprange_high < 0:
+            raise ValueError(f"cliprange_high={self.cliprange_high} must be >= 0")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        if self.log_prob_diff_min >= self.log_prob_diff_max:
+            raise ValueError(
+                f"log_prob_diff_min={self.log_prob_diff_min} must be < log_prob_diff_max={self.log_prob_diff_max}"
+            )
+        return self
+
+    @property
+    def spec(self) -> PolicyLossSpec:
+        return get_policy_loss(self.loss_type)
+
+    def __getitem__(self, key: str) -> Any:  # XTuner-style ``policy_loss_cfg["loss_type"]``
+        try:
+            return getattr(self, key)
+        except AttributeError as err:
+            raise KeyError(key) from err
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
+# Keys that ``build`` reads from ``data``; their SP padding value (None: computed from ``ignore_idx``).
+_PER_TOKEN_FIELDS = {
+    "advantages": 0.0,
+    "old_logprobs": 0.0,
+    "ref_logprobs": 0.0,
+    "rollout_logprobs": 0.0,
+    "rollout_is_weights": 1.0,
+}
+DATA_KEYS = ("shifted_labels", "num_tokens", *_PER_TOKEN_FIELDS)
+
+
+class BaseRLLossConfig(BaseModel):
+    """Configuration of an RL loss: policy loss, KL to a reference, aggregation, and how the loss is computed.
+
+    Args:
+        policy_loss_cfg (`PolicyLossConfig` or `dict`, *optional*, defaults to vanilla dual-clip PPO): the policy loss.
+        use_kl_loss (`bool`, *optional*, defaults to `False`): add a KL-to-reference penalty (needs `ref_logprobs`).
+        kl_loss_coef (`float`, *optional*, defaults to `0.001`): its coefficient, ≥ 0.
+        kl_loss_type (`str`, *optional*): the estimator, one of `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`,
+            `k1+`, `k3+` (see `hf_rlloss.kl`); required when `use_kl_loss=True`.
+        loss_agg_mode (`str`, *optional*): `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum` or
+            `seq-mean-token-sum-norm`; defaults to the policy loss's own (`token-mean`, or `seq-mean-token-mean` for
+            GSPO, GMPO and SAPO). Every mode is normalized over the whole optimizer step on all ranks.
+        loss_scale_factor (`float`, *optional*): the constant `C` of `seq-mean-token-sum-norm` (Dr. GRPO), typically
+            the maximum completion length; required by that mode.
+        ignore_idx (`int`, *optional*, defaults to `-100`): label of positions without loss.
+        chunk_size (`int`, *optional*, defaults to `512`): tokens per chunk when the loss is computed from hidden
+            states; peak extra memory is about `chunk_size × vocab × 8` bytes.
+        compute_entropy (`bool`, *optional*, defaults to `True`): log the full-vocabulary entropy when the loss is
+            computed from hidden states.
+        nonfinite_inputs (`str`, *optional*, defaults to `"error"`): what to do with NaN/±inf at valid tokens of
+            `advantages`, `old_logprobs`, `ref_logprobs` or `rollout_is_weights`: `"error"` raises, naming the field,
+            the micro-batch and the count; `"mask"` drops those tokens (before the denominator is computed) and counts
+            them in `train_policy/nonfinite_masked_tokens`.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    policy_loss_cfg: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: KLType | None = None
+    loss_agg_mode: AggMode | None = None
+    loss_scale_factor: float | None = Field(None, gt=0)
+    ignore_idx: int = -100
+    chunk_size: int = Field(512, gt=0)
+    compute_entropy: bool = True
+    nonfinite_inputs: Literal["error", "mask"] = "error"
+
+    @model_validator(mode="after")
+    def _validate(self) -> BaseRLLossConfig:
+        if self.use_kl_loss and self.kl_loss_type is None:
+            raise ValueError(f"use_kl_loss=True needs kl_loss_type, one of: {', '.join(KL_TYPES)}")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor (e.g. the max completion length)"
+            )
+        return self
+
+    @property
+    def agg_mode(self) -> str:
+        """The aggregation in effect: ``loss_agg_mode``, or the policy loss's default when unset."""
+        return self.loss_agg_mode or self.policy_loss_cfg.spec.default_agg_mode
+
+    @property
+    def loss_ctx_cls(self) -> type[BaseRLLossContext]:
+        raise NotImplementedError(f"{type(self).__name__} must define loss_ctx_cls")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, YAML/JSON-serializable dict that `type(self)(**d)` turns back into an equal config."""
+        return self.model_dump(mode="json")
+
+    def build(self, data: dict[str, Any], sp_mesh: DeviceMesh | None = None) -> BaseRLLossContext | None:
+        """Build the loss context of one micro-batch.
+
+        Args:
+            data (`dict`): `shifted_labels` `(B, T)` (or a packed row `(1, L)` with `num_tokens`, the per-sequence
+                lengths summing to `L`) and `advantages` (per sequence `(S,)` or per token, the labels' shape) are
+                required; `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `rollout_is_weights` are optional
+                per-token tensors of the labels' shape. All are full-length (before any SP split).
+            sp_mesh (`DeviceMesh`, *optional*): the sequence-parallel mesh; every per-token tensor is split over it.
+
+        Returns:
+            The context, or `None` when `shifted_labels` or `advantages` is missing (nothing to train on).
+        """
+        from .context import prepare_kwargs
+
+        unknown = set(data) - set(DATA_KEYS)
+        if unknown:
+            raise ValueError(f"unknown data key(s) {sorted(unknown)}; allowed: {', '.join(DATA_KEYS)}")
+        if "shifted_labels" not in data or "advantages" not in data:
+            return None
+        kwargs = prepare_kwargs(data, self.ignore_idx, _PER_TOKEN_FIELDS, sp_mesh)
+        return self.loss_ctx_cls(self, kwargs, sp_mesh)
+
+
+class GRPOLossConfig(BaseRLLossConfig):
+    """GRPO-family loss: any registered policy loss, optional KL, global normalization.
+
+    Example:
+
+    ```python
+    >>> cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28})
+    >>> ctx = cfg.build({"shifted_labels": labels, "advantages": advantages})
+    >>> GRPOLossContext.build_batches([ctx])
+    >>> loss, metrics = ctx(logprobs=logprobs)
+    ```
+    """
+
+    @property
+    def loss_ctx_cls(self) -> type[BaseRLLossContext]:
+        from .context import GRPOLossContext
+
+        return GRPOLossContext

@@ -1,0 +1,460 @@
+"""Loss kwargs (the per-micro-batch tensors) and loss contexts (what computes the loss of one micro-batch).
+
+The life of a context over one optimizer step:
+
+1. ``cfg.build(data, sp_mesh)`` → context: validates shapes, expands per-sequence advantages, splits for SP.
+2. The caller sets ``ctx.loss_kwargs.old_logprobs`` / ``ref_logprobs`` (local, already split) when it has them.
+3. Optional rollout importance sampling rejects tokens and sets IS weights.
+4. ``GRPOLossContext.build_batches(contexts)`` over all micro-batches of the step: one all-reduce of the global
+   denominators, then per-token policy and KL weights.
+5. ``loss, metrics = ctx(logprobs=...)`` or ``ctx(hidden_states=..., head_weight=...)`` per micro-batch, then
+   ``loss.backward()``. Summed over micro-batches and averaged over ranks (as DDP/FSDP average gradients), the
+   returned losses and their gradients equal the global loss of the step and its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+from torch.distributed.device_mesh import DeviceMesh
+
+from .aggregation import aggregation_weights
+from .chunked_logprobs import chunked_logprobs, chunked_objective
+from .distributed import all_reduce, world_size
+from .kl import kl_penalty
+from .metrics import VALID_TOKENS, P, accumulate_metrics
+from .sequence_parallel import sp_group, sp_rank, sp_size, sp_split
+
+_PER_TOKEN = (
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "rollout_is_weights",
+    "seq_ids",
+    "policy_loss_weight",
+    "kl_loss_weight",
+)
+# Fields whose non-finite values at valid tokens are bad input (rollout log-probs are handled by rollout IS).
+_CHECKED_FOR_NONFINITE = ("advantages", "old_logprobs", "ref_logprobs", "rollout_is_weights")
+
+
+class BaseRLLossKwargs(BaseModel):
+    """The tensors of one micro-batch, all `(B, T)` local (after any SP split), checked on every assignment.
+
+    Args:
+        shifted_labels (`torch.Tensor`): int64 labels; position `t` holds the token predicted from position `t`.
+        advantages (`torch.Tensor`): float32 per-token advantages.
+        seq_ids (`torch.Tensor`): int64 index of each position's sequence in `[0, num_sequences)`, -1 for SP padding.
+        num_sequences (`int`): sequences in the micro-batch (rows of a padded batch, or segments of a packed row).
+        old_logprobs, ref_logprobs, rollout_logprobs (`torch.Tensor`, *optional*): per-token log-probs under the
+            policy before the update, the reference, and the rollout engine.
+        rollout_is_weights (`torch.Tensor`, *optional*): per-token rollout IS weights (constants).
+        policy_loss_weight, kl_loss_weight (`torch.Tensor`, *optional*): set by `build_batches`.
+        global_grad_tokens (`torch.Tensor`, *optional*): valid tokens of the whole step; set by `build_batches`.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=True)
+
+    shifted_labels: torch.Tensor
+    advantages: torch.Tensor
+    seq_ids: torch.Tensor
+    num_sequences: int
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
+    policy_loss_weight: torch.Tensor | None = None
+    kl_loss_weight: torch.Tensor | None = None
+    global_grad_tokens: torch.Tensor | None = None
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> BaseRLLossKwargs:
+        shape = tuple(self.shifted_labels.shape)
+        if len(shape) != 2:
+            raise ValueError(f"shifted_labels must be 2-D (B, T); got shape {shape}")
+        for name in _PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(value.shape)} but shifted_labels has shape {shape}; "
+                    "every per-token tensor must have exactly the labels' shape"
+                )
+        return self
+
+    def to(self, device: torch.device | str) -> BaseRLLossKwargs:
+        for name, value in self:
+            if isinstance(value, torch.Tensor):
+                self.__dict__[name] = value.to(device)
+        return self
+
+
+def _sequence_ids(labels: torch.Tensor, num_tokens: Any) -> tuple[torch.Tensor, int]:
+    batch, length = labels.shape
+    if num_tokens is None:
+        return torch.arange(batch, device=labels.device).unsqueeze(1).expand(batch, length), batch
+    num_tokens = torch.as_tensor(num_tokens, dtype=torch.long, device=labels.device).reshape(-1)
+    if batch != 1:
+        raise ValueError(f"num_tokens is for a packed row: shifted_labels must be (1, L); got {tuple(labels.shape)}")
+    if int(num_tokens.sum()) != length or bool((num_tokens < 0).any()):
+        raise ValueError(
+            f"num_tokens {num_tokens.tolist()} must be non-negative and sum to the packed length {length}"
+        )
+    seq_ids = torch.repeat_interleave(torch.arange(len(num_tokens), device=labels.device), num_tokens)
+    return seq_ids.unsqueeze(0), len(num_tokens)
+
+
+def prepare_kwargs(
+    data: dict[str, Any], ignore_idx: int, padding: dict[str, float], sp_mesh: DeviceMesh | None
+) -> BaseRLLossKwargs:
+    """Validate the full-length data of one micro-batch, expand per-sequence advantages and split it for SP."""
+    labels = data["shifted_labels"]
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"shifted_labels must be a 2-D (B, T) tensor; got {shape}")
+    labels = labels.long()
+    seq_ids, num_sequences = _sequence_ids(labels, data.get("num_tokens"))
+    fields: dict[str, torch.Tensor] = {}
+    for name in padding:
+        value = data.get(name)
+        if value is None:
+            continue
+        value = torch.as_tensor(value, device=labels.device).float()
+        if name == "advantages" and value.dim() == 1:
+            if value.shape[0] != num_sequences:
+                raise ValueError(
+                    f"advantages has shape {tuple(value.shape)}: per-sequence advantages need one value per "
+                    f"sequence ({num_sequences}); per-token ones the labels' shape {tuple(labels.shape)}"
+                )
+            value = value[seq_ids]
+        if tuple(value.shape) != tuple(labels.shape):
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)} but shifted_labels has shape {tuple(labels.shape)}; "
+                "every per-token tensor must have exactly the labels' shape"
+            )
+        fields[name] = value
+    if sp_size(sp_mesh) > 1:
+        labels = sp_split(labels, sp_mesh, 1, ignore_idx)
+        seq_ids = sp_split(seq_ids, sp_mesh, 1, -1)
+        fields = {name: sp_split(value, sp_mesh, 1, padding[name]) for name, value in fields.items()}
+    return BaseRLLossKwargs(shifted_labels=labels, seq_ids=seq_ids, num_sequences=num_sequences, **fields)
+
+
+class BaseRLLossContext:
+    """The loss of one micro-batch. Built by ``cfg.build``; made ready by ``build_batches``; called per micro-batch.
+
+    Subclasses define ``build_batches`` (the step's normalization) and ``_objective`` (the loss of a chunk of tokens).
+    """
+
+    def __init__(self, loss_cfg, loss_kwargs: BaseRLLossKwargs, sp_mesh: DeviceMesh | None = None):
+        self.loss_cfg = loss_cfg
+        self.loss_kwargs = loss_kwargs
+        self.sp_mesh = sp_mesh
+        self.grad_scale: float | None = None  # set by build_batches
+        self.seq_token_counts: torch.Tensor | None = None  # valid tokens per whole sequence, set by build_batches
+        self.pending_metrics: dict[str, Any] = {}  # metrics of the preparation, emitted by the first call
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """`(B, T)` bool: the tokens that carry a loss."""
+        return self.loss_kwargs.shifted_labels != self.loss_cfg.ignore_idx
+
+    @classmethod
+    def build_batches(cls, contexts: list[BaseRLLossContext], **kwargs) -> list[BaseRLLossContext]:
+        raise NotImplementedError
+
+    def _objective(self, logprobs, sl, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _sequence_mean(self, statistic: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token mean of ``statistic`` over the token's whole sequence (across SP shards), float32, detached."""
+        sums = torch.zeros(self.loss_kwargs.num_sequences, dtype=torch.float64, device=statistic.device)
+        sums.index_add_(0, seq_ids, statistic.detach().double())
+        all_reduce(sums, group=sp_group(self.sp_mesh)) if sp_size(self.sp_mesh) > 1 else None
+        means = sums / self.seq_token_counts.double().clamp(min=1)
+        return means[seq_ids].float()
+
+    def _valid_tokens(self) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """Flat indices of the valid tokens, and every per-token field gathered at them."""
+        kw = self.loss_kwargs
+        index = self.mask.reshape(-1).nonzero().squeeze(-1)
+        names = (
+            "shifted_labels",
+            "seq_ids",
+            "advantages",
+            "old_logprobs",
+            "ref_logprobs",
+            "policy_loss_weight",
+            "kl_loss_weight",
+        )
+        tokens = {n: None if getattr(kw, n) is None else getattr(kw, n).reshape(-1)[index] for n in names}
+        return index, tokens
+
+    def __call__(
+        self,
+        *,
+        logprobs: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        head_weight: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of this micro-batch, from per-token log-probs or from hidden states and the LM-head weight.
+
+        Args:
+            logprobs (`torch.Tensor`, *optional*): `(B, T)` log π_θ of the labels, carrying the gradient.
+            hidden_states (`torch.Tensor`, *optional*): `(B, T, H)` last hidden states aligned with the labels; the
+                log-probs are then computed in chunks of `chunk_size` tokens without materializing the logits.
+            head_weight (`torch.Tensor`, *optional*): `(V, H)` LM-head weight (with `hidden_states`).
+            temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (the sampling temperature).
+
+        Returns:
+            `(loss, metrics)`: the scalar to call `backward()` on (already multiplied by the number of ranks that
+            average gradients), and 0-dim detached metrics to merge with `accumulate_metrics` and reduce with
+            `finalize_train_policy_metrics` once per optimizer step.
+        """
+        if self.grad_scale is None:
+            raise RuntimeError("call build_batches() on the micro-batches of the optimizer step before the loss")
+        if (logprobs is None) == (hidden_states is None):
+            raise ValueError("pass exactly one of logprobs=... or hidden_states=... (with head_weight=...)")
+        labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
+        index, tokens = self._valid_tokens()
+        spec = self.loss_cfg.policy_loss_cfg.spec
+        if logprobs is not None:
+            if tuple(logprobs.shape) != labels_shape:
+                raise ValueError(
+                    f"logprobs has shape {tuple(logprobs.shape)} but shifted_labels has shape {labels_shape}"
+                )
+            token_logprobs = logprobs.reshape(-1)[index]
+            token_logprobs = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
+            bad = int((~torch.isfinite(token_logprobs.detach())).sum())
+            if bad:
+                raise FloatingPointError(f"logprobs has {bad} non-finite value(s) at valid tokens")
+            seq_mean = None
+            if spec.sequence_statistic is not None:
+                seq_mean = self._sequence_mean(self._statistic(token_logprobs.detach(), tokens), tokens["seq_ids"])
+            loss, metrics = self._objective(token_logprobs, slice(None), None, tokens, seq_mean)
+        else:
+            if head_weight is None:
+                raise ValueError("hidden_states=... needs head_weight=... (the (V, H) LM-head weight)")
+            if hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != labels_shape:
+                raise ValueError(
+                    f"hidden_states has shape {tuple(hidden_states.shape)}; expected (B, T, H) with (B, T) = "
+                    f"shifted_labels' shape {labels_shape}"
+                )
+            if head_weight.dim() != 2 or head_weight.shape[1] != hidden_states.shape[-1]:
+                raise ValueError(
+                    f"head_weight has shape {tuple(head_weight.shape)}; expected (V, {hidden_states.shape[-1]})"
+                )
+            hidden = hidden_states.reshape(-1, hidden_states.shape[-1])[index]
+            seq_mean = None
+            if spec.sequence_statistic is not None:
+                # Sequence-level losses need every token's log-prob first: a no-grad pass, then the chunked one.
+                token_logprobs, _ = chunked_logprobs(
+                    hidden.detach(),
+                    head_weight.detach(),
+                    tokens["shifted_labels"],
+                    temperature=temperature,
+                    chunk_size=self.loss_cfg.chunk_size,
+                )
+                seq_mean = self._sequence_mean(self._statistic(token_logprobs, tokens), tokens["seq_ids"])
+
+            def objective(lp, sl, entropy):
+                return self._objective(lp, sl, entropy, tokens, seq_mean)
+
+            loss, metrics = chunked_objective(
+                hidden,
+                head_weight,
+                tokens["shifted_labels"],
+                objective,
+                temperature=temperature,
+                chunk_size=self.loss_cfg.chunk_size,
+                with_entropy=self.loss_cfg.compute_entropy,
+            )
+        metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
+        if self.pending_metrics:
+            accumulate_metrics(metrics, self.pending_metrics)
+            self.pending_metrics = {}
+        metrics["loss/total"] = loss.detach()
+        if not torch.isfinite(loss.detach()):
+            summary = {k: round(float(v), 6) for k, v in metrics.items()}
+            raise FloatingPointError(f"the loss of this micro-batch is not finite ({float(loss)}); metrics: {summary}")
+        return loss * self.grad_scale, metrics
+
+    def _statistic(self, token_logprobs: torch.Tensor, tokens: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        cfg = self.loss_cfg.policy_loss_cfg
+        old = tokens["old_logprobs"] if tokens["old_logprobs"] is not None else token_logprobs
+        return cfg.spec.sequence_statistic(token_logprobs, old, tokens["advantages"], cfg)
+
+    def _empty_metrics(self, from_hidden: bool, device) -> dict[str, torch.Tensor]:
+        """Every metric key this context emits, at its neutral value, so every rank reduces the same keys."""
+        zero = torch.zeros((), device=device)
+        keys = [
+            "valid_tokens",
+            "ratio_abs_dev_sum",
+            "kl1_sum",
+            "kl3_sum",
+            "clip_low_count",
+            "clip_high_count",
+            "dual_clip_count",
+        ]
+        metrics = {P + k: zero for k in keys}
+        metrics[P + "ratio_max"] = torch.full((), float("-inf"), device=device)
+        metrics[P + "ratio_min"] = torch.full((), float("inf"), device=device)
+        metrics["loss/policy"] = zero
+        if self.loss_cfg.use_kl_loss:
+            metrics["loss/kl"] = zero
+            metrics[P + "ref_kl_sum"] = zero
+        if from_hidden and self.loss_cfg.compute_entropy:
+            metrics[P + "entropy_sum"] = zero
+            metrics[P + "entropy_tokens"] = zero
+        return metrics
+
+
+class GRPOLossContext(BaseRLLossContext):
+    """GRPO-family loss of one micro-batch: the configured policy loss (× rollout IS weights) plus optional KL."""
+
+    @classmethod
+    def build_batches(
+        cls,
+        contexts: list[BaseRLLossContext],
+        *,
+        process_group=None,
+        grad_averaging_size: int | None = None,
+    ) -> list[BaseRLLossContext]:
+        """Make the micro-batches of one optimizer step ready: global denominators and per-token weights.
+
+        Collective when distributed (one all-reduce over `process_group`, plus one over the SP group for
+        per-sequence token counts under SP). Call it after rollout IS has rejected tokens, so that they are not
+        counted.
+
+        Args:
+            contexts (`list`): this rank's micro-batches of the step (at least one; an empty micro-batch is fine).
+            process_group (`ProcessGroup`, *optional*): every rank of the step (data × sequence parallel); defaults to
+                the whole world.
+            grad_averaging_size (`int`, *optional*): how many ranks average the gradients (DDP/FSDP); each returned
+                loss is multiplied by it. Defaults to the size of `process_group`.
+        """
+        if not contexts:
+            raise ValueError("build_batches needs the micro-batches of the step (got an empty list)")
+        cfg = contexts[0].loss_cfg
+        sp_mesh = contexts[0].sp_mesh
+        for i, ctx in enumerate(contexts):
+            ctx._handle_nonfinite(i)
+            if cfg.use_kl_loss and ctx.loss_kwargs.ref_logprobs is None:
+                raise ValueError(f"use_kl_loss=True but micro-batch {i} has no ref_logprobs")
+
+        # Valid tokens of each whole sequence: a sequence split over SP ranks is counted on all of its shards.
+        counts = [
+            torch.zeros(ctx.loss_kwargs.num_sequences, dtype=torch.float64, device=ctx.mask.device).index_add_(
+                0,
+                ctx.loss_kwargs.seq_ids[ctx.mask],
+                torch.ones((), dtype=torch.float64, device=ctx.mask.device).expand(int(ctx.mask.sum())),
+            )
+            for ctx in contexts
+        ]
+        flat_counts = torch.cat(counts)
+        if sp_size(sp_mesh) > 1:
+            all_reduce(flat_counts, group=sp_group(sp_mesh))
+        counts = list(torch.split(flat_counts, [len(c) for c in counts]))
+
+        local_tokens = sum(float(ctx.mask.sum()) for ctx in contexts)
+        # Sequences live on every rank of their SP group: count them once, on its first rank.
+        local_sequences = float((flat_counts > 0).sum()) if sp_rank(sp_mesh) == 0 else 0.0
+        totals = torch.tensor([local_tokens, local_sequences], dtype=torch.float64, device=contexts[0].mask.device)
+        all_reduce(totals, group=process_group)
+        global_tokens, global_sequences = totals.tolist()
+        grad_scale = grad_averaging_size if grad_averaging_size is not None else world_size(process_group)
+
+        for ctx, seq_counts in zip(contexts, counts):
+            kw = ctx.loss_kwargs
+            weights = aggregation_weights(
+                ctx.mask, kw.seq_ids, seq_counts, cfg.agg_mode, global_tokens, global_sequences, cfg.loss_scale_factor
+            )
+            policy_weight = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
+            kw.policy_loss_weight = torch.where(ctx.mask, policy_weight, 0.0)
+            kw.kl_loss_weight = weights * cfg.kl_loss_coef if cfg.use_kl_loss else None
+            kw.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
+            ctx.seq_token_counts = seq_counts
+            ctx.grad_scale = float(grad_scale)
+        return contexts
+
+    def _handle_nonfinite(self, index: int) -> None:
+        kw = self.loss_kwargs
+        mask = self.mask
+        bad = torch.zeros_like(mask)
+        for name in _CHECKED_FOR_NONFINITE:
+            value = getattr(kw, name)
+            if value is None:
+                continue
+            field_bad = mask & ~torch.isfinite(value)
+            count = int(field_bad.sum())
+            if count and self.loss_cfg.nonfinite_inputs == "error":
+                raise ValueError(
+                    f"{name} of micro-batch {index} has {count} non-finite value(s) at valid tokens "
+                    "(set nonfinite_inputs='mask' to drop such tokens instead)"
+                )
+            bad |= field_bad
+        count = int(bad.sum())
+        if count:  # mask mode: a new labels tensor, so the caller's is left untouched
+            kw.shifted_labels = kw.shifted_labels.masked_fill(bad, self.loss_cfg.ignore_idx)
+        self.pending_metrics = accumulate_metrics(
+            self.pending_metrics, {P + "nonfinite_masked_tokens": torch.tensor(float(count), device=mask.device)}
+        )
+
+    def _objective(self, logprobs, sl, entropy, tokens, seq_mean):
+        cfg = self.loss_cfg
+        pcfg = cfg.policy_loss_cfg
+        old = tokens["old_logprobs"][sl] if tokens["old_logprobs"] is not None else logprobs.detach()
+        advantages = tokens["advantages"][sl]
+        per_token, indicators = pcfg.spec.fn(
+            logprobs, old, advantages, pcfg, seq_mean=None if seq_mean is None else seq_mean[sl]
+        )
+        # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
+        policy = torch.where(tokens["policy_loss_weight"][sl] != 0, per_token * tokens["policy_loss_weight"][sl], 0.0)
+        policy = policy.sum()
+        metrics = train_policy_metrics(logprobs.detach(), old, indicators, entropy)
+        metrics["loss/policy"] = policy.detach()
+        total = policy
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logprobs, tokens["ref_logprobs"][sl], cfg.kl_loss_type)
+            kl_loss = (kl * tokens["kl_loss_weight"][sl]).sum()
+            total = total + kl_loss
+            metrics["loss/kl"] = kl_loss.detach()
+            metrics[P + "ref_kl_sum"] = kl.detach().sum()
+        return total, metrics
+
+
+def train_policy_metrics(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    indicators: dict[str, torch.Tensor],
+    entropy: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Sums, counts and extrema over valid tokens of how far the policy moved from the old one (detached).
+
+    ``kl1 = log π_old − log π_θ`` and ``kl3 = r − 1 − log r`` estimate KL(π_old‖π_θ) on the sampled tokens
+    (``r = π_θ/π_old``, ``log r`` clamped to ±20). Clip counts are the tokens where the clipped branch was chosen
+    (``clip_low``: ``A < 0`` and ``r < 1 − ε_low``; ``clip_high``: ``A > 0`` and ``r > 1 + ε_high``), and
+    ``dual_clip`` where the dual-clip bound was.
+    """
+    log_ratio = logprobs - old_logprobs
+    clamped = log_ratio.clamp(-20.0, 20.0)
+    ratio = clamped.exp()
+    n = log_ratio.numel()
+    metrics = {
+        VALID_TOKENS: torch.tensor(float(n), device=logprobs.device),
+        P + "ratio_abs_dev_sum": (ratio - 1).abs().sum(),
+        P + "kl1_sum": (-log_ratio).sum(),
+        P + "kl3_sum": (ratio - 1 - clamped).sum(),
+        P + "ratio_max": ratio.max() if n else torch.full((), float("-inf"), device=logprobs.device),
+        P + "ratio_min": ratio.min() if n else torch.full((), float("inf"), device=logprobs.device),
+    }
+    for name in ("clip_low", "clip_high", "dual_clip"):
+        if name in indicators:
+            metrics[P + f"{name}_count"] = indicators[name].float().sum()
+    if entropy is not None:
+        metrics[P + "entropy_sum"] = entropy.sum()
+        metrics[P + "entropy_tokens"] = torch.tensor(float(n), device=logprobs.device)
+    return metrics
