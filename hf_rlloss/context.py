@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch.distributed.device_mesh import DeviceMesh
 
 from .aggregation import aggregation_weights
@@ -70,19 +70,24 @@ class BaseRLLossKwargs(BaseModel):
     kl_loss_weight: torch.Tensor | None = None
     global_grad_tokens: torch.Tensor | None = None
 
-    @model_validator(mode="after")
-    def _check_shapes(self) -> BaseRLLossKwargs:
-        shape = tuple(self.shifted_labels.shape)
-        if len(shape) != 2:
-            raise ValueError(f"shifted_labels must be 2-D (B, T); got shape {shape}")
-        for name in _PER_TOKEN:
-            value = getattr(self, name)
-            if value is not None and tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{name} has shape {tuple(value.shape)} but shifted_labels has shape {shape}; "
-                    "every per-token tensor must have exactly the labels' shape"
-                )
-        return self
+    # Field validators run before a value is stored, so a rejected assignment leaves the kwargs as they were.
+    @field_validator("shifted_labels")
+    @classmethod
+    def _check_labels(cls, value: torch.Tensor) -> torch.Tensor:
+        if value.dim() != 2:
+            raise ValueError(f"shifted_labels must be 2-D (B, T); got shape {tuple(value.shape)}")
+        return value
+
+    @field_validator(*_PER_TOKEN)
+    @classmethod
+    def _check_shape(cls, value: torch.Tensor | None, info: ValidationInfo) -> torch.Tensor | None:
+        labels = info.data.get("shifted_labels")
+        if value is not None and labels is not None and tuple(value.shape) != tuple(labels.shape):
+            raise ValueError(
+                f"{info.field_name} has shape {tuple(value.shape)} but shifted_labels has shape "
+                f"{tuple(labels.shape)}; every per-token tensor must have exactly the labels' shape"
+            )
+        return value
 
     def to(self, device: torch.device | str) -> BaseRLLossKwargs:
         for name, value in self:
@@ -169,12 +174,12 @@ class BaseRLLossContext:
         raise NotImplementedError
 
     def _sequence_mean(self, statistic: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token mean of ``statistic`` over the token's whole sequence (across SP shards), float32, detached."""
+        """Per-token mean of ``statistic`` over its whole sequence (across SP shards); detached, same dtype."""
         sums = torch.zeros(self.loss_kwargs.num_sequences, dtype=torch.float64, device=statistic.device)
         sums.index_add_(0, seq_ids, statistic.detach().double())
         all_reduce(sums, group=sp_group(self.sp_mesh)) if sp_size(self.sp_mesh) > 1 else None
         means = sums / self.seq_token_counts.double().clamp(min=1)
-        return means[seq_ids].float()
+        return means[seq_ids].to(statistic.dtype)
 
     def _valid_tokens(self) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Flat indices of the valid tokens, and every per-token field gathered at them."""

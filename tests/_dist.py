@@ -1,0 +1,37 @@
+"""Run a function in N gloo processes from a test, with a hard timeout so that a hang fails instead of blocking."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world_size, init_file, fn, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; fail on error or after ``timeout``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        context = mp.start_processes(
+            _entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)")

@@ -1,0 +1,95 @@
+"""Train-policy metrics: definitions, declared reductions, and the cross-process finalize."""
+
+import math
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from hf_rlloss import (
+    Reduction,
+    accumulate_metrics,
+    finalize_train_policy_metrics,
+    reduce_metrics,
+    register_metric,
+    train_policy_metrics,
+)
+
+
+def test_definitions_on_hand_made_tensors():  # float32 inputs: compare at float32 precision
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    old = torch.tensor([-1.2, -1.9, -0.5])  # log r = [0.2, −0.1, 0]
+    ind = {"clip_low": torch.tensor([False, True, False]), "clip_high": torch.tensor([True, False, False])}
+    final = finalize_train_policy_metrics(train_policy_metrics(lp, old, ind, entropy=torch.tensor([1.0, 2.0, 3.0])))
+    r = [math.exp(0.2), math.exp(-0.1), 1.0]
+    assert final["train_policy/ratio_abs_dev_mean"] == pytest.approx(sum(abs(x - 1) for x in r) / 3, rel=1e-5)
+    assert final["train_policy/kl1"] == pytest.approx(-(0.2 - 0.1) / 3, rel=1e-5)
+    assert final["train_policy/kl3"] == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 3, rel=1e-5)
+    assert final["train_policy/ratio_max"] == pytest.approx(r[0]) and final["train_policy/ratio_min"] == pytest.approx(
+        r[1]
+    )
+    assert final["train_policy/clip_frac_low"] == pytest.approx(1 / 3)
+    assert final["train_policy/clip_frac_high"] == pytest.approx(1 / 3)
+    assert final["train_policy/entropy"] == pytest.approx(2.0)
+    assert final["train_policy/valid_tokens"] == 3
+
+
+def test_accumulate_uses_declared_reductions_not_names():
+    a = {"train_policy/ratio_max": torch.tensor(2.0), "train_policy/ratio_min": torch.tensor(0.5), "x": 1}
+    b = {"train_policy/ratio_max": torch.tensor(1.5), "train_policy/ratio_min": torch.tensor(0.7), "x": 2}
+    total = accumulate_metrics(dict(a), b)
+    assert total["train_policy/ratio_max"] == 2.0 and total["train_policy/ratio_min"] == 0.5 and total["x"] == 3
+    register_metric("my/max_like_but_summed", Reduction.SUM)
+    total = accumulate_metrics({"my/max_like_but_summed": 1.0}, {"my/max_like_but_summed": 2.0})
+    assert total["my/max_like_but_summed"] == 3.0
+
+
+def test_empty_step_gives_zeros_not_nan():
+    metrics = train_policy_metrics(torch.zeros(0), torch.zeros(0), {})
+    final = finalize_train_policy_metrics(metrics)
+    assert final["train_policy/kl1"] == 0.0 and final["train_policy/ratio_max"] == 0.0
+    assert all(not math.isnan(v) for v in final.values())
+
+
+def test_without_valid_count_the_dict_passes_through():
+    assert finalize_train_policy_metrics({"foo": 1.0}) == {"foo": 1.0}
+
+
+def _finalize_worker(rank, world_size, out_dir):
+    # rank 0: 2 tokens with ratio e^{±0.1}; rank 1: no valid token at all (it must still join every collective)
+    if rank == 0:
+        metrics = train_policy_metrics(torch.tensor([0.1, -0.1]), torch.zeros(2), {})
+    else:
+        metrics = train_policy_metrics(torch.zeros(0), torch.zeros(0), {})
+    metrics["loss/policy"] = torch.tensor(1.0 + rank)
+    calls = []
+    original = torch.distributed.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return original(*args, **kwargs)
+
+    torch.distributed.all_reduce = counting_all_reduce
+    try:
+        final = finalize_train_policy_metrics(metrics)
+    finally:
+        torch.distributed.all_reduce = original
+    torch.save((final, len(calls)), f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_finalize_across_processes_one_collective_per_kind(tmp_path):
+    run_distributed(_finalize_worker, 2, str(tmp_path), timeout=120)
+    for rank in range(2):
+        final, calls = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert calls == 3  # SUM, MAX, MIN
+        assert final["train_policy/valid_tokens"] == 2
+        assert final["train_policy/ratio_max"] == pytest.approx(math.exp(0.1))
+        assert final["train_policy/ratio_min"] == pytest.approx(math.exp(-0.1))
+        assert final["train_policy/kl1"] == pytest.approx(0.0, abs=1e-7)
+        assert final["loss/policy"] == pytest.approx(3.0)
+
+
+def test_reduce_metrics_single_process_is_identity_on_declared_keys():
+    out = reduce_metrics({"train_policy/valid_tokens": 4.0, "undeclared": 1.0})
+    assert out == {"train_policy/valid_tokens": 4.0}
