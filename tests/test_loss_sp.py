@@ -1,0 +1,88 @@
+"""The loss layer under sequence parallelism: sp=2 and dp=2×sp=2 equal one process (loss, gradients, metrics)."""
+
+import pytest
+import torch
+from _data import make_step, run_step
+from _dist import run_distributed
+
+from hf_rlloss import GRPOLossConfig, GRPOLossContext, accumulate_metrics, finalize_train_policy_metrics, sp_split
+
+CASES = [
+    ("vanilla", "token-mean"),
+    ("vanilla", "seq-mean-token-mean"),
+    ("gspo", "seq-mean-token-mean"),
+    ("geo_mean", "seq-mean-token-sum"),
+]
+LENGTH = 7  # odd: not divisible by sp, so the last shard is padded
+
+
+def _config(loss_type, mode):
+    return GRPOLossConfig(
+        policy_loss_cfg={"loss_type": loss_type, "cliprange_low": 0.1, "cliprange_high": 0.15},
+        loss_agg_mode=mode,
+        use_kl_loss=True,
+        kl_loss_type="k3",
+        kl_loss_coef=0.1,
+        chunk_size=3,
+    )
+
+
+def _sp_worker(rank, world_size, sp, out_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
+    sp_mesh, dp_rank = mesh["sp"], mesh["dp"].get_local_rank()
+    results = {}
+    for loss_type, mode in CASES:
+        for path in ("logprobs", "hidden"):
+            step = make_step(num_seqs=8, length=LENGTH)
+            w = step["w"].clone().requires_grad_(True)
+            rows = list(range(8))[dp_rank :: world_size // sp]
+            contexts, hiddens = [], []
+            for micro in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):  # gradient accumulation: 2 micro-batches
+                data = {
+                    "shifted_labels": step["labels"][micro],
+                    "advantages": step["advantages"][micro],
+                    "old_logprobs": step["old"][micro],
+                    "ref_logprobs": step["ref"][micro],
+                }
+                contexts.append(_config(loss_type, mode).build(data, sp_mesh=sp_mesh))
+                hiddens.append(sp_split(step["h"][micro], sp_mesh, 1, 0.0))  # the model's local shard
+            GRPOLossContext.build_batches(contexts)
+            total, metrics = 0.0, {}
+            for ctx, h in zip(contexts, hiddens):
+                if path == "hidden":
+                    loss, m = ctx(hidden_states=h, head_weight=w)
+                else:
+                    labels = ctx.loss_kwargs.shifted_labels
+                    lp = torch.log_softmax(h @ w.t(), -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+                    loss, m = ctx(logprobs=lp)
+                total = total + loss
+                accumulate_metrics(metrics, m)
+            (grad_w,) = torch.autograd.grad(total, w)
+            torch.distributed.all_reduce(grad_w)
+            loss_sum = total.detach().clone()
+            torch.distributed.all_reduce(loss_sum)
+            results[(loss_type, mode, path)] = (
+                loss_sum / world_size,
+                grad_w / world_size,
+                finalize_train_policy_metrics(metrics),
+            )
+    if rank == 0:
+        torch.save(results, f"{out_dir}/results.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size,sp", [(2, 2), (4, 2)], ids=["sp2", "dp2xsp2"])
+def test_sequence_parallel_equals_single_process(tmp_path, world_size, sp):
+    run_distributed(_sp_worker, world_size, sp, str(tmp_path), timeout=240)
+    results = torch.load(tmp_path / "results.pt", weights_only=False)
+    assert len(results) == 2 * len(CASES)
+    for (loss_type, mode, path), (loss, grad_w, metrics) in results.items():
+        step = make_step(num_seqs=8, length=LENGTH)
+        ref_loss, _, ref_grad_w, ref_metrics = run_step(_config(loss_type, mode), step, [list(range(8))], path)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_w, ref_grad_w, atol=1e-6, rtol=0)
+        ref_metrics = finalize_train_policy_metrics(ref_metrics)
+        for key in ref_metrics:
+            assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), (loss_type, mode, path, key)
