@@ -8,6 +8,8 @@ with ``1.0``, log-probs and advantages with ``0.0``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,3 +68,168 @@ def sp_gather(tensor: torch.Tensor, sp_mesh: DeviceMesh | None, dim: int = 1) ->
     shards = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(shards, tensor, group=sp_group(sp_mesh))
     return torch.cat(shards, dim=dim)
+
+
+# ------------------------------------------------------------------------------------------------- the SP mesh
+
+
+def build_sp_mesh(sp_size: int, device_type: str = "cpu") -> DeviceMesh | None:
+    """The `sp` dimension of a `(dp, sp)` device mesh over all processes; consecutive ranks form an SP group.
+
+    Args:
+        sp_size (`int`): ranks per SP group; 1 returns `None` (no SP).
+        device_type (`str`, *optional*, defaults to `"cpu"`): the mesh's device type (`"cuda"` with NCCL).
+
+    Returns:
+        `DeviceMesh` or `None`: the 1-D SP mesh of this rank; its parent mesh's `"dp"` dimension is the
+        data-parallel group (ranks holding different data).
+    """
+    if sp_size < 1:
+        raise ValueError(f"sp_size={sp_size} must be >= 1")
+    if sp_size == 1:
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f"sp_size={sp_size} needs torch.distributed to be initialized (launch with accelerate)")
+    world = dist.get_world_size()
+    if world % sp_size:
+        raise ValueError(f"sp_size={sp_size} must divide the number of processes ({world})")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return mesh["sp"]
+
+
+def sp_shard_inputs(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, sp_mesh: DeviceMesh | None, pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's shard of `(input_ids, position_ids)` `(B, L)`, padded at the end to a multiple of the SP size.
+
+    Padded positions continue the last position (`last + 1, …`), so they never look like the start of a new packed
+    sequence; under causal attention they cannot affect any real token, and their labels are `ignore_idx`.
+    """
+    size = sp_size(sp_mesh)
+    if size == 1:
+        return input_ids, position_ids
+    pad = (-input_ids.shape[1]) % size
+    if pad:
+        steps = torch.arange(1, pad + 1, device=position_ids.device).expand(position_ids.shape[0], pad)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+    return sp_split(input_ids, sp_mesh, 1, pad_token_id), sp_split(position_ids, sp_mesh, 1, 0)
+
+
+# ------------------------------------------------------------------------------------------------ Ulysses attention
+
+ULYSSES_ATTENTION = "ulysses_sdpa"
+_ACTIVE_SP_MESH: DeviceMesh | None = None
+
+
+class ulysses_sequence_parallel:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Context manager that turns the Ulysses attention on for the forwards inside it.
+
+    Outside it (generation, evaluation) a model loaded with `attn_implementation="ulysses_sdpa"` runs plain SDPA on
+    its local inputs. Inside it, every rank of `sp_mesh` holds a contiguous shard of each sequence, and attention
+    runs on whole sequences: all-to-all from sequence shards to head shards, SDPA, all-to-all back (DeepSpeed-Ulysses,
+    https://arxiv.org/abs/2309.14509).
+    """
+
+    def __init__(self, sp_mesh: DeviceMesh | None):
+        self.sp_mesh = sp_mesh
+
+    def __enter__(self):
+        global _ACTIVE_SP_MESH
+        self._previous, _ACTIVE_SP_MESH = _ACTIVE_SP_MESH, self.sp_mesh
+        return self
+
+    def __exit__(self, *exc):
+        global _ACTIVE_SP_MESH
+        _ACTIVE_SP_MESH = self._previous
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Send chunk `i` of dim 0 to rank `i` and stack what arrives along dim 0, with autograd (functional
+    collectives; the deprecated `torch.distributed.nn` ones break on gloo subgroups)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), None, None, group))
+
+
+def _sequence_to_heads(x: torch.Tensor, size: int, group) -> torch.Tensor:
+    """`[B, H, S, D]` (local sequence, all heads) → `[B, H/W, W·S, D]` (whole sequence, local heads)."""
+    b, h, s, d = x.shape
+    chunks = x.reshape(b, size, h // size, s, d).permute(1, 0, 2, 3, 4)  # [W, B, H/W, S, D]: chunk i → rank i
+    received = _all_to_all(chunks, group)  # [W, B, H/W, S, D]: received[j] = sequence shard j
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+
+
+def _heads_to_sequence(x: torch.Tensor, size: int, group) -> torch.Tensor:
+    """`[B, H/W, W·S, D]` → `[B, H, S, D]`, the inverse of :func:`_sequence_to_heads`."""
+    b, h_local, s_global, d = x.shape
+    s = s_global // size
+    chunks = x.reshape(b, h_local, size, s, d).permute(2, 0, 1, 3, 4)  # [W, B, H/W, S, D]: shard j → rank j
+    received = _all_to_all(chunks, group)  # received[i] = head group i of my sequence shard
+    return received.permute(1, 0, 2, 3, 4).reshape(b, size * h_local, s, d)
+
+
+def _packed_causal_mask(global_positions: torch.Tensor) -> torch.Tensor | None:
+    """`(B, 1, S, S)` bool mask for packed sequences (positions restart), or `None` when plain causal suffices."""
+    starts = global_positions[:, 1:] != global_positions[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    doc = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).cumsum(-1)  # (B, S) document index
+    length = global_positions.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+def ulysses_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention function for transformers' `AttentionInterface` (name `"ulysses_sdpa"`).
+
+    Shapes (local, per rank): `query [B, H, S, D]`, `key/value [B, Hkv, S, D]`; returns `[B, S, H, D]`.
+    Under SP the padding `attention_mask` (local, meaningless for the whole sequence) is not used: sequences must be
+    unpadded or packed, with global `position_ids` that restart at each packed sequence.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mesh = _ACTIVE_SP_MESH
+    size = sp_size(mesh)
+    if size == 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    group = sp_group(mesh)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % size:
+        raise ValueError(f"Ulysses needs the attention heads ({heads}) to be divisible by sp_size ({size})")
+    if kv_heads % size:  # GQA with fewer KV heads than ranks: replicate each KV head, keeping the q → kv grouping
+        repeat = size // math.gcd(kv_heads, size)
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise ValueError("Ulysses attention needs position_ids (global positions of the local shard)")
+    q, k, v = (_sequence_to_heads(t, size, group) for t in (query, key, value))
+    positions = sp_gather(position_ids.expand(query.shape[0], -1), mesh, dim=1)
+    mask = _packed_causal_mask(positions)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        is_causal=mask is None,
+        scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return _heads_to_sequence(out, size, group).transpose(1, 2).contiguous(), None
+
+
+def register_ulysses_attention() -> str:
+    """Register the Ulysses attention (and SDPA's mask builder, so non-SP use is exactly SDPA) with transformers.
+
+    Returns the name to pass as `attn_implementation`.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
+    AttentionMaskInterface.register(ULYSSES_ATTENTION, sdpa_mask)
+    return ULYSSES_ATTENTION
