@@ -6,6 +6,7 @@ from .context import BaseRLLossContext, BaseRLLossKwargs, GRPOLossContext, train
 from .kl import KL_TYPES, compute_kl_loss_weight, kl_penalty
 from .metrics import Reduction, accumulate_metrics, finalize_train_policy_metrics, reduce_metrics, register_metric
 from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, register_policy_loss, registered_policy_losses
+from .rollout_is import RolloutImportanceSampling, compute_rollout_is, finalize_rollout_is_metrics
 from .sequence_parallel import sp_gather, sp_split
 
 __version__ = "0.1.0"
@@ -21,10 +22,13 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossSpec",
     "Reduction",
+    "RolloutImportanceSampling",
     "accumulate_metrics",
     "chunked_logprobs",
     "chunked_objective",
     "compute_kl_loss_weight",
+    "compute_rollout_is",
+    "finalize_rollout_is_metrics",
     "finalize_train_policy_metrics",
     "get_policy_loss",
     "kl_penalty",

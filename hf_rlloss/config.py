@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .kl import KL_TYPES
 from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, registered_policy_losses
+from .rollout_is import RolloutImportanceSampling
 
 if TYPE_CHECKING:
     from .context import BaseRLLossContext
@@ -122,6 +123,9 @@ class BaseRLLossConfig(BaseModel):
             `advantages`, `old_logprobs`, `ref_logprobs` or `rollout_is_weights`: `"error"` raises, naming the field,
             the micro-batch and the count; `"mask"` drops those tokens (before the denominator is computed) and counts
             them in `train_policy/nonfinite_masked_tokens`.
+        rollout_is (`RolloutImportanceSampling` or `dict`, *optional*, defaults to metrics only): rollout importance
+            sampling, the correction of the mismatch between the rollout engine and the trained policy (see
+            `hf_rlloss.rollout_is`). Its metrics are computed whenever `rollout_logprobs` are given.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -136,6 +140,7 @@ class BaseRLLossConfig(BaseModel):
     chunk_size: int = Field(512, gt=0)
     compute_entropy: bool = True
     nonfinite_inputs: Literal["error", "mask"] = "error"
+    rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)
 
     @model_validator(mode="after")
     def _validate(self) -> BaseRLLossConfig:
@@ -180,6 +185,12 @@ class BaseRLLossConfig(BaseModel):
             raise ValueError(f"unknown data key(s) {sorted(unknown)}; allowed: {', '.join(DATA_KEYS)}")
         if "shifted_labels" not in data or "advantages" not in data:
             return None
+        if self.rollout_is.enabled and data.get("rollout_logprobs") is None:
+            raise ValueError(
+                "rollout_is is enabled (rollout_is.upper is set) but data has no rollout_logprobs: pass the "
+                "log-probs of the sampled tokens under the generation engine (vLLM's sampling log-probs, or those "
+                "RLLossGRPOTrainer computes for HF generate), or unset rollout_is.upper for no correction"
+            )
         kwargs = prepare_kwargs(data, self.ignore_idx, _PER_TOKEN_FIELDS, sp_mesh)
         return self.loss_ctx_cls(self, kwargs, sp_mesh)
 

@@ -25,6 +25,7 @@ from .chunked_logprobs import chunked_logprobs, chunked_objective
 from .distributed import all_reduce, world_size
 from .kl import kl_penalty
 from .metrics import VALID_TOKENS, P, accumulate_metrics
+from .rollout_is import compute_rollout_is
 from .sequence_parallel import sp_group, sp_rank, sp_size, sp_split
 
 _PER_TOKEN = (
@@ -169,6 +170,44 @@ class BaseRLLossContext:
     @classmethod
     def build_batches(cls, contexts: list[BaseRLLossContext], **kwargs) -> list[BaseRLLossContext]:
         raise NotImplementedError
+
+    def compute_rollout_is(self) -> dict[str, torch.Tensor]:
+        """Rollout importance sampling of this micro-batch: weights, rejection, mismatch metrics.
+
+        Compares `old_logprobs` (the trainer's no-grad pass, before any update) with `rollout_logprobs` (the
+        generation engine's). Rejected tokens get `ignore_idx` in a new labels tensor — so call it before
+        `build_batches`, which then leaves them out of the denominator — and the IS weights multiply any
+        `rollout_is_weights` given with the data. Collective under SP (one all-reduce over the SP group).
+
+        Returns:
+            `dict`: the micro-batch's accumulable IS metrics; they are also emitted with the loss metrics of the
+            next call, so `finalize_train_policy_metrics` reports the `mismatch/*` and `rollout_is/*` values.
+        """
+        kw = self.loss_kwargs
+        if kw.rollout_logprobs is None:
+            raise ValueError("compute_rollout_is needs rollout_logprobs (the generation engine's log-probs)")
+        if kw.old_logprobs is None:
+            raise ValueError("compute_rollout_is needs old_logprobs (log-probs of the policy before the update)")
+        mask = self.mask
+        if self.loss_cfg.nonfinite_inputs == "error":  # IS would silently reject them: report bad input first
+            bad = int((mask & ~torch.isfinite(kw.old_logprobs)).sum())
+            if bad:
+                raise ValueError(f"old_logprobs has {bad} non-finite value(s) at valid tokens")
+        weights, keep, metrics = compute_rollout_is(
+            self.loss_cfg.rollout_is,
+            kw.old_logprobs,
+            kw.rollout_logprobs,
+            mask,
+            kw.seq_ids,
+            kw.num_sequences,
+            sp_mesh=self.sp_mesh,
+        )
+        kw.shifted_labels = kw.shifted_labels.masked_fill(mask & ~keep, self.loss_cfg.ignore_idx)
+        if weights is not None:
+            weights = weights.to(torch.float32)
+            kw.rollout_is_weights = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
+        self.pending_metrics = accumulate_metrics(self.pending_metrics, metrics)
+        return metrics
 
     def _objective(self, logprobs, sl, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError

@@ -8,7 +8,7 @@ with one all-reduce per reduction kind and turns sums into means. A mean whose c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -64,6 +64,16 @@ _MEANS = {
     P + "ref_kl": (P + "ref_kl_sum", VALID_TOKENS),
     P + "entropy": (P + "entropy_sum", ENTROPY_TOKENS),
 }
+
+
+_FINALIZERS: list[Callable[[dict[str, float]], dict[str, float]]] = []
+
+
+def register_finalizer(fn: Callable[[dict[str, float]], dict[str, float]]) -> Callable:
+    """Register ``fn(reduced) -> final metrics``, applied by `finalize_train_policy_metrics` to the all-reduced
+    values of every declared key (decorator). Lets a module add derived metrics without extra collectives."""
+    _FINALIZERS.append(fn)
+    return fn
 
 
 def register_metric(name: str, reduction: Reduction | str) -> None:
@@ -128,7 +138,8 @@ def finalize_train_policy_metrics(
 
     Returns:
         `dict`: undeclared keys unchanged; `train_policy/*` sums and counts replaced by means (0.0 if the count is 0),
-        `train_policy/ratio_max`/`ratio_min` global extrema (0.0 when there is no valid token), `loss/*` global sums.
+        `train_policy/ratio_max`/`ratio_min` global extrema (0.0 when there is no valid token), `loss/*` global sums,
+        and what registered finalizers derive (the `mismatch/*` and `rollout_is/*` metrics of rollout IS).
     """
     if VALID_TOKENS not in extra_info:
         return extra_info
@@ -145,4 +156,6 @@ def finalize_train_policy_metrics(
     for key, value in reduced.items():
         if key.startswith("loss/") or key in (VALID_TOKENS, P + "nonfinite_masked_tokens"):
             out[key] = value
+    for finalizer in _FINALIZERS:
+        out.update(finalizer(reduced))
     return out

@@ -25,6 +25,7 @@ def make_step(num_seqs=8, length=6, vocab=13, hidden=5, seed=0, dtype=torch.floa
         "advantages": torch.randn(num_seqs, generator=g),
         "old": (lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=dtype)).float(),
         "ref": (lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=dtype)).float(),
+        "rollout": (lp + 0.2 * torch.randn(lp.shape, generator=g, dtype=dtype)).float(),
         "h": h,
         "w": w,
     }
@@ -45,7 +46,11 @@ def run_step(cfg, step, micro_batches, path="logprobs", build_kwargs=None):
         data["old_logprobs"] = step["old"][rows]
         if cfg.use_kl_loss:
             data["ref_logprobs"] = step["ref"][rows]
+        if cfg.rollout_is.enabled:
+            data["rollout_logprobs"] = step["rollout"][rows]
         contexts.append(cfg.build(data))
+        if cfg.rollout_is.enabled:
+            contexts[-1].compute_rollout_is()
     GRPOLossContext.build_batches(contexts, **(build_kwargs or {}))
     total, metrics = 0.0, {}
     for rows, ctx in zip(micro_batches, contexts):

@@ -8,16 +8,18 @@ from _dist import run_distributed
 from hf_rlloss import GRPOLossConfig, GRPOLossContext, accumulate_metrics, finalize_train_policy_metrics, sp_split
 
 CASES = [
-    ("vanilla", "token-mean"),
-    ("vanilla", "seq-mean-token-mean"),
-    ("gspo", "seq-mean-token-mean"),
-    ("geo_mean", "seq-mean-token-sum"),
+    ("vanilla", "token-mean", None),
+    ("vanilla", "seq-mean-token-mean", "token"),
+    ("gspo", "seq-mean-token-mean", "sequence"),
+    ("geo_mean", "seq-mean-token-sum", "geometric"),
 ]
 LENGTH = 7  # odd: not divisible by sp, so the last shard is padded
 
 
-def _config(loss_type, mode):
+def _config(loss_type, mode, is_level):
+    rollout_is = {"level": is_level, "mode": "both", "upper": 2.0, "lower": 0.5} if is_level else {}
     return GRPOLossConfig(
+        rollout_is=rollout_is,
         policy_loss_cfg={"loss_type": loss_type, "cliprange_low": 0.1, "cliprange_high": 0.15},
         loss_agg_mode=mode,
         use_kl_loss=True,
@@ -33,7 +35,7 @@ def _sp_worker(rank, world_size, sp, out_dir):
     mesh = init_device_mesh("cpu", (world_size // sp, sp), mesh_dim_names=("dp", "sp"))
     sp_mesh, dp_rank = mesh["sp"], mesh["dp"].get_local_rank()
     results = {}
-    for loss_type, mode in CASES:
+    for loss_type, mode, is_level in CASES:
         for path in ("logprobs", "hidden"):
             step = make_step(num_seqs=8, length=LENGTH)
             w = step["w"].clone().requires_grad_(True)
@@ -46,7 +48,11 @@ def _sp_worker(rank, world_size, sp, out_dir):
                     "old_logprobs": step["old"][micro],
                     "ref_logprobs": step["ref"][micro],
                 }
-                contexts.append(_config(loss_type, mode).build(data, sp_mesh=sp_mesh))
+                if is_level:
+                    data["rollout_logprobs"] = step["rollout"][micro]
+                contexts.append(_config(loss_type, mode, is_level).build(data, sp_mesh=sp_mesh))
+                if is_level:  # rejects tokens (or whole sequences, gathered over the SP group) before the denominator
+                    contexts[-1].compute_rollout_is()
                 hiddens.append(sp_split(step["h"][micro], sp_mesh, 1, 0.0))  # the model's local shard
             GRPOLossContext.build_batches(contexts)
             total, metrics = 0.0, {}
@@ -63,7 +69,7 @@ def _sp_worker(rank, world_size, sp, out_dir):
             torch.distributed.all_reduce(grad_w)
             loss_sum = total.detach().clone()
             torch.distributed.all_reduce(loss_sum)
-            results[(loss_type, mode, path)] = (
+            results[(loss_type, mode, is_level, path)] = (
                 loss_sum / world_size,
                 grad_w / world_size,
                 finalize_train_policy_metrics(metrics),
@@ -78,11 +84,14 @@ def test_sequence_parallel_equals_single_process(tmp_path, world_size, sp):
     run_distributed(_sp_worker, world_size, sp, str(tmp_path), timeout=240)
     results = torch.load(tmp_path / "results.pt", weights_only=False)
     assert len(results) == 2 * len(CASES)
-    for (loss_type, mode, path), (loss, grad_w, metrics) in results.items():
+    for (loss_type, mode, is_level, path), (loss, grad_w, metrics) in results.items():
         step = make_step(num_seqs=8, length=LENGTH)
-        ref_loss, _, ref_grad_w, ref_metrics = run_step(_config(loss_type, mode), step, [list(range(8))], path)
+        cfg = _config(loss_type, mode, is_level)
+        ref_loss, _, ref_grad_w, ref_metrics = run_step(cfg, step, [list(range(8))], path)
         torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
         torch.testing.assert_close(grad_w, ref_grad_w, atol=1e-6, rtol=0)
         ref_metrics = finalize_train_policy_metrics(ref_metrics)
+        assert metrics.keys() == ref_metrics.keys()
+        assert any(k.startswith("rollout_is/") for k in metrics) == (is_level is not None)
         for key in ref_metrics:
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-5), (loss_type, mode, path, key)
