@@ -1,0 +1,79 @@
+"""Faults: empty ranks join every collective, a raising rank fails the test fast, nothing hangs."""
+
+import time
+
+import pytest
+import torch
+from _data import IGNORE, make_step, run_step
+from _dist import run_distributed
+from torch.multiprocessing import ProcessRaisedException
+
+from hf_rlloss import GRPOLossConfig, finalize_train_policy_metrics
+
+
+def _config():
+    return GRPOLossConfig(
+        policy_loss_cfg={"loss_type": "gspo"},
+        use_kl_loss=True,
+        kl_loss_type="k3",
+        rollout_is={"level": "sequence", "mode": "both", "upper": 3.0},
+    )
+
+
+def _step_with_empty_half():
+    step = make_step(seed=9)
+    step["labels"][4:] = IGNORE  # rows 4..7 carry no loss: the rank that gets them has nothing to train on
+    return step
+
+
+def _empty_rank_worker(rank, world_size, out_dir):
+    step = _step_with_empty_half()
+    rows = [0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7]
+    results = {}
+    for path in ("logprobs", "hidden"):
+        loss, _, grad_w, metrics = run_step(_config(), step, [rows[:2], rows[2:]], path)
+        torch.distributed.all_reduce(loss)
+        torch.distributed.all_reduce(grad_w)
+        results[path] = (loss / world_size, grad_w / world_size, finalize_train_policy_metrics(metrics))
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_rank_without_valid_tokens_joins_every_collective_and_contributes_zero(tmp_path):
+    run_distributed(_empty_rank_worker, 2, str(tmp_path), timeout=120)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for path, (loss, grad_w, metrics) in results.items():
+            ref_loss, _, ref_grad_w, ref_metrics = run_step(_config(), _step_with_empty_half(), [list(range(8))], path)
+            torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+            torch.testing.assert_close(grad_w, ref_grad_w, atol=1e-6, rtol=0)
+            assert metrics == pytest.approx(finalize_train_policy_metrics(ref_metrics), abs=1e-6)
+
+
+def _raising_worker(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    torch.distributed.barrier()  # rank 0 waits in a collective its peer never joins
+
+
+@pytest.mark.distributed
+def test_a_raising_rank_fails_the_test_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException, match="injected failure on rank 1"):
+        run_distributed(_raising_worker, 2, timeout=60)
+    assert time.monotonic() - start < 60
+
+
+def _hanging_worker(rank, world_size):
+    if rank == 0:
+        torch.distributed.barrier()
+    else:
+        time.sleep(600)
+
+
+@pytest.mark.distributed
+def test_a_hang_is_killed_at_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 15 s"):
+        run_distributed(_hanging_worker, 2, timeout=15)
+    assert time.monotonic() - start < 40
