@@ -11,6 +11,20 @@ from .sequence_parallel import sp_gather, sp_split
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # The trainer pulls in trl and transformers: import it on first use, so the loss layer stays light.
+    if name == "RLLossGRPOTrainer":
+        from .trainer import RLLossGRPOTrainer
+
+        return RLLossGRPOTrainer
+    if name == "RLLossGRPOConfig":
+        from .trainer_config import RLLossGRPOConfig
+
+        return RLLossGRPOConfig
+    raise AttributeError(f"module 'hf_rlloss' has no attribute {name!r}")
+
+
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
@@ -21,6 +35,8 @@ __all__ = [
     "GRPOLossContext",
     "PolicyLossConfig",
     "PolicyLossSpec",
+    "RLLossGRPOConfig",
+    "RLLossGRPOTrainer",
     "Reduction",
     "RolloutImportanceSampling",
     "accumulate_metrics",

@@ -1,0 +1,287 @@
+"""`RLLossGRPOConfig`: TRL's `GRPOConfig` plus the `rl_loss` mapping that configures the hf_rlloss loss layer.
+
+The loss layer replaces TRL's loss, so the TRL options that configured it (`loss_type`, `epsilon`, `epsilon_high`,
+`beta`, `importance_sampling_level`, `sapo_temperature_*`, …) are handled here, never silently ignored:
+
+* without `rl_loss`, they are **mapped** onto an equivalent loss config (see `trl_options_to_rl_loss`);
+* with `rl_loss`, any of them left at a non-default value must agree with `rl_loss`, otherwise construction fails
+  with a message naming the `rl_loss` key to use;
+* the TRL loss features the layer has no equivalent for (`delta`, `top_entropy_quantile < 1`,
+  `off_policy_mask_threshold`, the entropy bonus, `loss_type="vespo"`) are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import ValidationError
+from trl import GRPOConfig
+
+from .config import BaseRLLossConfig, GRPOLossConfig
+
+logger = logging.getLogger(__name__)
+
+# TRL's cispo has no lower bound on the IS weight; the loss layer's cispo clips at `1 - cliprange_low`, which must be
+# < 1. This leaves a floor of 1e-6 on the ratio, i.e. a log-ratio below -13.8: none in practice.
+CISPO_NO_LOWER_BOUND = 1.0 - 1e-6
+
+# TRL loss_type -> (policy loss of the loss layer, aggregation)
+_TRL_LOSS_TYPES = {
+    "dapo": ("vanilla", "token-mean"),
+    "bnpo": ("vanilla", "token-mean"),
+    "grpo": ("vanilla", "seq-mean-token-mean"),
+    "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"),
+    "luspo": ("vanilla", "seq-mean-token-sum"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+}
+
+# TRL loss features without an equivalent in the loss layer: option -> (is it in use?, what to do instead)
+_UNSUPPORTED = {
+    "delta": (
+        lambda v: v is not None,
+        "TRL's two-sided clip (INTELLECT-2) has no equivalent; the loss layer's `vanilla` loss has a dual clip for "
+        "negative advantages instead (rl_loss.policy_loss_cfg.clip_ratio_c)",
+    ),
+    "top_entropy_quantile": (lambda v: v < 1.0, "the high-entropy token mask is not supported by the loss layer"),
+    "off_policy_mask_threshold": (
+        lambda v: v is not None,
+        "off-policy sequence masking (OPSM) is not supported by the loss layer",
+    ),
+    "entropy_coef": (lambda v: v != 0.0, "the entropy bonus is not supported by the loss layer"),
+    "use_adaptive_entropy": (lambda v: bool(v), "the adaptive entropy bonus is not supported by the loss layer"),
+}
+
+
+def _trl_default(name: str) -> Any:
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    raise KeyError(name)
+
+
+def _is_set(args: Any, name: str) -> bool:
+    return getattr(args, name) != _trl_default(name)
+
+
+def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The `rl_loss` mapping equivalent to TRL's loss options, and for each of its keys the TRL option it comes from.
+
+    | TRL | rl_loss |
+    |---|---|
+    | `loss_type="dapo"`/`"bnpo"` | `vanilla`, `token-mean` (global over the step; TRL's bnpo is per micro-batch) |
+    | `loss_type="grpo"` | `vanilla`, `seq-mean-token-mean` |
+    | `loss_type="dr_grpo"` | `vanilla`, `seq-mean-token-sum-norm`, `loss_scale_factor=max_completion_length` |
+    | `loss_type="luspo"` | `vanilla`, `seq-mean-token-sum` |
+    | `loss_type="cispo"` | `cispo`, `token-mean`, `cliprange_high = epsilon_high − 1` (TRL's cap is absolute) |
+    | `loss_type="sapo"` | `sapo` with `tau_pos/neg = sapo_temperature_pos/neg`, `seq-mean-token-mean` |
+    | `importance_sampling_level="sequence"` | `gspo` instead of `vanilla` |
+    | `epsilon`, `epsilon_high` | `policy_loss_cfg.cliprange_low`, `cliprange_high` |
+    | `beta > 0` | `use_kl_loss=True`, `kl_loss_type="k3"`, `kl_loss_coef=beta` |
+
+    The `vanilla` loss adds a dual clip (`clip_ratio_c=3`) for negative advantages that TRL's losses do not have; it
+    is only active where the ratio exceeds 3.
+    """
+    loss_type = args.loss_type
+    if loss_type not in _TRL_LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={loss_type!r} has no equivalent in the loss layer; set rl_loss.policy_loss_cfg.loss_type "
+            f"(and rl_loss.loss_agg_mode) instead. Mappable TRL loss types: {', '.join(_TRL_LOSS_TYPES)}"
+        )
+    policy_loss, agg_mode = _TRL_LOSS_TYPES[loss_type]
+    source = {"policy_loss_cfg.loss_type": "loss_type", "loss_agg_mode": "loss_type"}
+    if args.importance_sampling_level == "sequence":
+        if policy_loss != "vanilla":
+            raise ValueError(
+                f"importance_sampling_level='sequence' with loss_type={loss_type!r} has no equivalent in the loss "
+                "layer; use rl_loss.policy_loss_cfg.loss_type='gspo' (or 'geo_mean') instead"
+            )
+        policy_loss = "gspo"
+        source["policy_loss_cfg.loss_type"] = "importance_sampling_level"
+    elif args.importance_sampling_level != "token":
+        raise ValueError(
+            f"importance_sampling_level={args.importance_sampling_level!r}; expected 'token' or 'sequence'"
+        )
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    high_source = "epsilon_high" if args.epsilon_high is not None else "epsilon"
+    policy: dict[str, Any] = {"loss_type": policy_loss}
+    if policy_loss in ("vanilla", "gspo"):
+        policy["cliprange_low"] = args.epsilon
+        policy["cliprange_high"] = epsilon_high
+        source["policy_loss_cfg.cliprange_low"] = "epsilon"
+        source["policy_loss_cfg.cliprange_high"] = high_source
+    elif policy_loss == "cispo":
+        if epsilon_high <= 1.0:
+            raise ValueError(
+                f"loss_type='cispo' caps the IS weight at epsilon_high={epsilon_high} (an absolute cap, < 1 here: "
+                "every token would be clipped). Set epsilon_high > 1 (ScaleRL uses 5.0), or configure "
+                "rl_loss.policy_loss_cfg.cliprange_high (relative: the cap is 1 + cliprange_high)"
+            )
+        policy["cliprange_low"] = CISPO_NO_LOWER_BOUND
+        policy["cliprange_high"] = epsilon_high - 1.0
+        source["policy_loss_cfg.cliprange_high"] = high_source
+    elif policy_loss == "sapo":
+        policy["tau_pos"] = args.sapo_temperature_pos
+        policy["tau_neg"] = args.sapo_temperature_neg
+        source["policy_loss_cfg.tau_pos"] = "sapo_temperature_pos"
+        source["policy_loss_cfg.tau_neg"] = "sapo_temperature_neg"
+    rl_loss: dict[str, Any] = {"policy_loss_cfg": policy, "loss_agg_mode": agg_mode}
+    if agg_mode == "seq-mean-token-sum-norm":
+        rl_loss["loss_scale_factor"] = float(args.max_completion_length)
+        source["loss_scale_factor"] = "max_completion_length"
+    if args.beta != 0.0:
+        rl_loss.update(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=args.beta)
+        source.update({"use_kl_loss": "beta", "kl_loss_coef": "beta"})
+    return rl_loss, source
+
+
+def _get_dotted(cfg: BaseRLLossConfig, key: str) -> Any:
+    if key == "loss_agg_mode":
+        return cfg.agg_mode
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def format_validation_error(err: ValidationError, prefix: str = "rl_loss") -> str:
+    """One line per error, each naming the full YAML key (e.g. ``rl_loss.policy_loss_cfg.cliprange_low``)."""
+    lines = []
+    for error in err.errors():
+        loc = [str(part) for part in error["loc"]]
+        msg = error["msg"].removeprefix("Value error, ")
+        # Errors raised by a model validator are located at the model: name the field the message is about.
+        match = re.match(r"(\w+)=", msg)
+        if match and error["type"] == "value_error":
+            loc.append(match.group(1))
+        if error["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{'.'.join([prefix, *loc])}: {msg}")
+    return "\n".join(lines)
+
+
+@dataclass
+class RLLossGRPOConfig(GRPOConfig):
+    r"""`GRPOConfig` for `RLLossGRPOTrainer`: the loss is the hf_rlloss loss layer, configured by `rl_loss`.
+
+    Parameters:
+        rl_loss (`dict` or `str`, *optional*):
+            The loss configuration: a mapping validated into `loss_config_class` (`GRPOLossConfig`: `policy_loss_cfg`,
+            `use_kl_loss`, `kl_loss_coef`, `kl_loss_type`, `loss_agg_mode`, `loss_scale_factor`, `chunk_size`, …),
+            or its JSON string (CLI). Errors name the YAML key (e.g. `rl_loss.policy_loss_cfg.cliprange_low`).
+            `loss_scale_factor` defaults to `max_completion_length` for `seq-mean-token-sum-norm` (Dr. GRPO).
+            When unset, TRL's loss options (`loss_type`, `epsilon`, `epsilon_high`, `beta`,
+            `importance_sampling_level`, `sapo_temperature_*`) are mapped onto it (see `trl_options_to_rl_loss`);
+            when set, those options must be left at their defaults or agree with it.
+        sp_size (`int`, *optional*, defaults to `1`):
+            Sequence-parallel degree, reserved: only `1` is supported by this version of the trainer.
+
+    The validated loss configuration is `config.rl_loss_config` (not a dataclass field: it is rebuilt from `rl_loss`
+    and the TRL options on every construction, so saved and re-parsed configs give the same loss).
+    Optimizer steps must not straddle two generations: `steps_per_generation × num_iterations` must be a multiple of
+    `gradient_accumulation_steps`, because the loss of a step is normalized over all of its micro-batches at once.
+    """
+
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["rl_loss"]
+
+    #: The loss configuration class `rl_loss` is validated into; subclasses may replace it.
+    loss_config_class: ClassVar[type[BaseRLLossConfig]] = GRPOLossConfig
+
+    rl_loss: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Loss-layer configuration (a mapping, or its JSON string): policy_loss_cfg, use_kl_loss, "
+            "kl_loss_coef, kl_loss_type, loss_agg_mode, loss_scale_factor, chunk_size, ... When unset, TRL's loss "
+            "options (loss_type, epsilon, epsilon_high, beta, ...) are mapped onto it."
+        },
+    )
+    sp_size: int = field(
+        default=1,
+        metadata={"help": "Sequence-parallel degree (reserved; only 1 is supported by this version)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.rl_loss, str):
+            try:
+                self.rl_loss = json.loads(self.rl_loss)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
+        if self.rl_loss is not None and not isinstance(self.rl_loss, dict):
+            raise ValueError(f"rl_loss must be a mapping; got {type(self.rl_loss).__name__}")
+        if not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"sp_size={self.sp_size!r} must be an integer >= 1")
+        if self.world_size % self.sp_size != 0:
+            raise ValueError(f"sp_size={self.sp_size} must divide the number of processes ({self.world_size})")
+        if self.sp_size > 1:
+            raise NotImplementedError(
+                f"sp_size={self.sp_size}: sequence parallelism is not supported by RLLossGRPOTrainer yet; "
+                "use sp_size=1"
+            )
+        for name, (in_use, why) in _UNSUPPORTED.items():
+            if in_use(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
+        generate_every = self.steps_per_generation * self.num_iterations
+        if generate_every % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"steps_per_generation × num_iterations ({self.steps_per_generation} × {self.num_iterations}) must "
+                f"be a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}): the loss of an "
+                "optimizer step is normalized over all of its micro-batches, which must come from one generation"
+            )
+        self.rl_loss_config = self._build_rl_loss_config()
+
+    def _build_rl_loss_config(self) -> BaseRLLossConfig:
+        if self.rl_loss is None:
+            mapped, _ = trl_options_to_rl_loss(self)
+            if self.beta != 0.0 and self.use_bias_correction_kl:
+                logger.warning(
+                    "beta=%s is mapped to rl_loss.kl_loss_coef with kl_loss_type='k3'. TRL's "
+                    "use_bias_correction_kl=True (multiplying the KL by the policy ratio) has no equivalent in the "
+                    "loss layer and is not applied; set use_bias_correction_kl=False to silence this warning.",
+                    self.beta,
+                )
+            return self._validate_rl_loss(mapped)
+        data = dict(self.rl_loss)
+        if data.get("loss_agg_mode") == "seq-mean-token-sum-norm" and data.get("loss_scale_factor") is None:
+            data["loss_scale_factor"] = float(self.max_completion_length)
+        cfg = self._validate_rl_loss(data)
+        self._check_trl_options_agree(cfg)
+        return cfg
+
+    def _validate_rl_loss(self, data: dict[str, Any]) -> BaseRLLossConfig:
+        try:
+            return self.loss_config_class(**data)
+        except ValidationError as err:
+            raise ValueError(f"invalid rl_loss:\n{format_validation_error(err)}") from None
+        except ValueError as err:  # raised outside pydantic's field machinery (e.g. an unknown loss_type lookup)
+            raise ValueError(f"invalid rl_loss: {err}") from None
+
+    def _check_trl_options_agree(self, cfg: BaseRLLossConfig) -> None:
+        """TRL loss options left at a non-default value must say the same as `rl_loss`."""
+        try:
+            mapped, source = trl_options_to_rl_loss(self)
+        except ValueError as err:
+            raise ValueError(f"{err} (rl_loss is set: leave the TRL loss options at their defaults)") from None
+        flat = {
+            "policy_loss_cfg.loss_type": mapped["policy_loss_cfg"]["loss_type"],
+            **{f"policy_loss_cfg.{k}": v for k, v in mapped["policy_loss_cfg"].items()},
+            **{k: v for k, v in mapped.items() if k != "policy_loss_cfg"},
+        }
+        for key, option in source.items():
+            if not _is_set(self, option) or option == "max_completion_length":
+                continue
+            expected, actual = flat[key], _get_dotted(cfg, key)
+            if expected != actual:
+                raise ValueError(
+                    f"{option}={getattr(self, option)!r} conflicts with rl_loss ({'rl_loss.' + key}={actual!r}, while "
+                    f"{option} means {key}={expected!r}). The loss layer replaces TRL's {option}: set "
+                    f"rl_loss.{key} and leave {option} at its default ({_trl_default(option)!r})"
+                )

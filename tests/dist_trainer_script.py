@@ -1,0 +1,71 @@
+"""Train RLLossGRPOTrainer for a few steps with fixed completions and save the final parameters (rank 0).
+
+Run by `tests/test_trainer.py` with 1 process (`python`) and with 2 (`torchrun --nproc_per_node 2`): with the same
+global batch the two must give the same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _trainer_utils import (  # noqa: E402
+    BASE_ARGS,
+    make_dataset,
+    make_model,
+    make_tokenizer,
+    patch_generation,
+    reward_digit,
+    reward_length,
+    trainable_snapshot,
+)
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--per-device-batch-size", type=int, required=True)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--num-iterations", type=int, default=1)
+    parser.add_argument("--rl-loss", default='{"policy_loss_cfg": {"loss_type": "vanilla"}}')
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    model = make_model(tok)
+    args = RLLossGRPOConfig(
+        output_dir=os.path.join(os.path.dirname(cli.out), "run"),
+        **{**BASE_ARGS, "per_device_train_batch_size": cli.per_device_batch_size, "learning_rate": 0.05},
+        gradient_accumulation_steps=cli.grad_accum,
+        max_steps=cli.steps,
+        num_iterations=cli.num_iterations,
+        optim="sgd",
+        rl_loss=cli.rl_loss,
+    )
+    trainer = RLLossGRPOTrainer(
+        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok
+    )
+    patch_generation(trainer, tok)
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        history = [
+            {k: v for k, v in h.items() if k.startswith(("loss", "train_policy/"))} for h in trainer.state.log_history
+        ]
+        torch.save(
+            {
+                "params": trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model)),
+                "world_size": trainer.accelerator.num_processes,
+                "history": history,
+            },
+            cli.out,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""RLLossGRPOTrainer / RLLossGRPOConfig: end to end on a tiny random Qwen2, offline, on CPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from _trainer_utils import (
+    BASE_ARGS,
+    FixedCompletions,
+    make_dataset,
+    make_model,
+    make_tokenizer,
+    patch_generation,
+    reward_digit,
+    reward_length,
+    trainable_snapshot,
+)
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer_config import CISPO_NO_LOWER_BOUND, trl_options_to_rl_loss
+
+torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def _config(tmp_path, **overrides) -> RLLossGRPOConfig:
+    return RLLossGRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
+
+
+def _train(tok, args, model=None, trainer_cls=RLLossGRPOTrainer, **kwargs):
+    model = make_model(tok) if model is None else model
+    trainer = trainer_cls(
+        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok, **kwargs
+    )
+    patch_generation(trainer, tok)
+    before = trainable_snapshot(trainer.model)
+    trainer.train()
+    return trainer, before, trainable_snapshot(trainer.model)
+
+
+def _step_logs(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _assert_trained(trainer, before, after, extra_keys=()):
+    logs = _step_logs(trainer)
+    assert len(logs) == trainer.args.max_steps
+    for log in logs:
+        for key in (
+            "loss",
+            "loss/total",
+            "loss/policy",
+            "train_policy/kl1",
+            "train_policy/ratio_abs_dev_mean",
+            "train_policy/entropy",
+            "train_policy/valid_tokens",
+            *extra_keys,
+        ):
+            assert key in log, f"{key} not logged: {sorted(log)}"
+            assert math.isfinite(log[key]), (key, log[key])
+        assert log["train_policy/valid_tokens"] > 0
+        assert abs(log["loss"] - log["loss/total"]) < 1e-5  # Trainer's loss is the step's global loss
+    assert "reward" in logs[0] and "rewards/reward_length/mean" in logs[0]  # TRL's metrics, per generation
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert before and not unchanged, f"parameters not updated: {unchanged}"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# End to end
+
+
+@pytest.mark.parametrize("loss_type", ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean"])
+def test_train_policy_losses(tok, tmp_path, loss_type):
+    # num_iterations=2: the second optimizer step re-uses the generation (off-policy, old log-probs used)
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        rl_loss={"policy_loss_cfg": {"loss_type": loss_type}},
+    )
+    trainer, before, after = _train(tok, args)
+    _assert_trained(trainer, before, after)
+    second = _step_logs(trainer)[1]
+    assert second["train_policy/ratio_abs_dev_mean"] > 0  # the policy moved since the old log-probs
+
+
+@pytest.mark.parametrize(
+    "kl_type,reference",
+    [("k1", "copy"), ("k3", "trl_beta"), ("k3+", "path")],
+)
+def test_train_kl(tok, tmp_path, kl_type, reference):
+    model = make_model(tok)
+    kwargs = {}
+    if reference == "trl_beta":  # TRL's beta is mapped onto rl_loss (k3)
+        args = _config(tmp_path, max_steps=2, num_iterations=2, beta=0.1, use_bias_correction_kl=False)
+        assert args.rl_loss_config.kl_loss_type == "k3" and args.rl_loss_config.kl_loss_coef == 0.1
+    else:
+        args = _config(
+            tmp_path,
+            max_steps=2,
+            num_iterations=2,
+            rl_loss={"use_kl_loss": True, "kl_loss_type": kl_type, "kl_loss_coef": 0.1},
+        )
+        if reference == "path":
+            ref_dir = tmp_path / "ref"
+            model.save_pretrained(ref_dir)
+            kwargs["ref_model"] = str(ref_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer, before, after = _train(tok, args, model=model, **kwargs)
+    _assert_trained(trainer, before, after, extra_keys=("loss/kl", "train_policy/ref_kl"))
+    assert trainer.ref_model is not None and trainer.ref_model is not trainer.model
+    ref_state = trainer.ref_model.state_dict()
+    assert all(torch.equal(ref_state[k], initial[k]) for k in initial), "the reference must stay the initial policy"
+    first, second = _step_logs(trainer)
+    assert abs(first["train_policy/ref_kl"]) < 1e-6  # the policy equals the reference before the first update
+    assert second["train_policy/ref_kl"] != 0.0
+
+
+def test_on_policy_first_iteration(tok, tmp_path):
+    # GA=2, steps_per_generation=2, num_iterations=2: TRL's condition for old log-probs holds, so they are computed
+    # after generation with the same chunked path as the loss; the first iteration is exactly on-policy.
+    args = _config(tmp_path, max_steps=2, gradient_accumulation_steps=2, num_iterations=2)
+    trainer, _, _ = _train(tok, args)
+    first, second = _step_logs(trainer)
+    assert first["train_policy/ratio_abs_dev_mean"] < 1e-5
+    assert abs(first["train_policy/ratio_max"] - 1) < 1e-5 and abs(first["train_policy/ratio_min"] - 1) < 1e-5
+    assert abs(first["train_policy/kl1"]) < 1e-6 and abs(first["train_policy/kl3"]) < 1e-6
+    assert second["train_policy/ratio_abs_dev_mean"] > 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Normalization: parity with TRL, invariance to how the step is split
+
+
+def test_parity_with_trl_dapo(tok, tmp_path):
+    """TRL's default `dapo` normalizes by the tokens of the whole generation batch (over ranks and slices); with
+    steps_per_generation == gradient_accumulation_steps and on-policy data this equals the step's global token mean,
+    i.e. rl_loss token-mean vanilla with the same clip ranges. SGD keeps float round-off from being amplified."""
+    common = dict(max_steps=3, gradient_accumulation_steps=2, optim="sgd", learning_rate=0.05, epsilon_high=0.28)
+    stock = GRPOConfig(output_dir=str(tmp_path / "trl"), **{**BASE_ARGS, **common}, loss_type="dapo")
+    ours = _config(tmp_path, **common, loss_type="dapo")
+    assert ours.rl_loss_config.agg_mode == "token-mean" and ours.rl_loss_config.policy_loss_cfg.cliprange_high == 0.28
+    _, before, trl_after = _train(tok, stock, trainer_cls=GRPOTrainer)
+    trainer, _, our_after = _train(tok, ours)
+    moved = max((trl_after[k] - before[k]).abs().max().item() for k in before)
+    diff = max((trl_after[k] - our_after[k]).abs().max().item() for k in before)
+    assert moved > 1e-3
+    assert diff < 1e-5, diff
+    # Same loss too (TRL's dapo logs the same global token mean).
+    assert len(_step_logs(trainer)) == 3
+
+
+def test_gradient_accumulation_invariance(tok, tmp_path):
+    """One micro-batch of 8 or two of 4: same global token mean, same update."""
+    common = dict(max_steps=2, optim="sgd", learning_rate=0.05)
+    _, _, one = _train(tok, _config(tmp_path, **common, per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    _, _, two = _train(tok, _config(tmp_path, **common, per_device_train_batch_size=4, gradient_accumulation_steps=2))
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_with_timeout(cmd, env, cwd, timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun's workers too) and fail."""
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish within {timeout:.0f} s (hang?)")
+    return proc.returncode, stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    """2 ranks × 2 sequences × GA 2 == 1 rank × 4 sequences × GA 2, off-policy second step (num_iterations=2)."""
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not available")
+    script = os.path.join(HERE, "dist_trainer_script.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    common = ["--steps", "2", "--grad-accum", "2", "--num-iterations", "2"]
+    port = str(_free_port())
+    runs = {
+        "one": [sys.executable, script, "--per-device-batch-size", "4"],
+        "two": ["torchrun", "--nproc_per_node", "2", "--master_port", port, script, "--per-device-batch-size", "2"],
+    }
+    results = {}
+    for name, cmd in runs.items():
+        out = tmp_path / f"{name}.pt"
+        returncode, stderr = _run_with_timeout([*cmd, *common, "--out", str(out)], env, tmp_path, timeout=180)
+        assert returncode == 0, stderr[-4000:]
+        results[name] = torch.load(out)
+    one, two = results["one"], results["two"]
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    diff = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
+    assert diff < 1e-5, diff
+    for a, b in zip(one["history"], two["history"]):
+        if "loss/total" in a:
+            assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
+            assert abs(a["loss/total"] - b["loss/total"]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# TRL features
+
+
+def test_peft_lora_with_kl_and_gradient_checkpointing(tok, tmp_path):
+    from peft import LoraConfig
+
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        num_iterations=2,
+        gradient_checkpointing=True,
+        rl_loss={"use_kl_loss": True, "kl_loss_type": "k3", "kl_loss_coef": 0.1},
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer, before, after = _train(tok, args, peft_config=lora)
+    assert trainer.ref_model is None  # the reference is the base model, adapter disabled
+    assert before and all("lora_" in name for name in before)
+    _assert_trained(trainer, before, after, extra_keys=("train_policy/ref_kl",))
+    assert _step_logs(trainer)[1]["train_policy/ref_kl"] > 0
+
+
+def test_bf16_eval_checkpoint_and_model_card(tok, tmp_path):
+    args = _config(
+        tmp_path,
+        max_steps=2,
+        bf16=True,
+        gradient_checkpointing=True,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
+    model = make_model(tok)
+    trainer = RLLossGRPOTrainer(
+        model,
+        reward_length,
+        args=args,
+        train_dataset=make_dataset(),
+        eval_dataset=make_dataset(4),
+        processing_class=tok,
+    )
+    patch_generation(trainer, tok)
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert evals and math.isfinite(evals[0]["eval_loss"]) and "eval_train_policy/entropy" in evals[0]
+    assert all(math.isfinite(h["loss"]) for h in _step_logs(trainer))
+    out = tmp_path / "out"
+    assert (out / "checkpoint-2" / "model.safetensors").exists()
+    card = (out / "README.md").read_text()
+    assert "hf-rlloss" in card
+    saved = torch.load(out / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert saved.rl_loss_config == args.rl_loss_config
+
+
+def test_config_from_yaml(tmp_path):
+    from trl import TrlParser
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "output_dir: out\nuse_cpu: true\nbf16: false\nreport_to: none\nmax_completion_length: 64\n"
+        "rl_loss:\n  policy_loss_cfg:\n    loss_type: vanilla\n    cliprange_high: 0.28\n"
+        "  loss_agg_mode: seq-mean-token-sum-norm\n"
+    )
+    (args,) = TrlParser((RLLossGRPOConfig,)).parse_args_and_config(["--config", str(path)])
+    assert args.rl_loss_config.policy_loss_cfg.cliprange_high == 0.28
+    assert args.rl_loss_config.loss_scale_factor == 64.0  # Dr. GRPO's constant defaults to max_completion_length
+    cli = [
+        "--output_dir",
+        "out",
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+        "--rl_loss",
+        '{"use_kl_loss": true, "kl_loss_type": "k3+"}',
+    ]
+    (args,) = TrlParser((RLLossGRPOConfig,)).parse_args_and_config(cli)
+    assert args.rl_loss_config.use_kl_loss and args.rl_loss_config.kl_loss_type == "k3+"
+
+
+def test_subclass_build_loss_data(tok, tmp_path):
+    """The documented hook: zero advantages and no KL leave the policy untouched (plain policy gradient)."""
+
+    class ZeroAdvantageTrainer(RLLossGRPOTrainer):
+        def build_loss_data(self, inputs):
+            data = super().build_loss_data(inputs)
+            data["advantages"] = torch.zeros_like(data["advantages"])
+            return data
+
+    args = _config(tmp_path, max_steps=1, optim="sgd", rl_loss={"policy_loss_cfg": {"loss_type": "gpg"}})
+    _, before, after = _train(tok, args, trainer_cls=ZeroAdvantageTrainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_rollout_func_logprobs_reach_the_loss(tok, tmp_path):
+    """Rollout (sampler) log-probs from a `rollout_func` are kept and given to the loss as `rollout_logprobs`."""
+    fixed = FixedCompletions(tok, 8)
+    seen = []
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        completion_ids, _ = fixed(prompt_ids, None, None, len(prompts))
+        logprobs = [[-1.0 - 0.01 * i for i in range(len(c))] for c in completion_ids]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    class Recording(RLLossGRPOTrainer):
+        def build_loss_data(self, inputs):
+            data = super().build_loss_data(inputs)
+            seen.append(data)
+            return data
+
+    args = _config(tmp_path, max_steps=1)
+    trainer = Recording(
+        make_model(tok),
+        reward_length,
+        args=args,
+        train_dataset=make_dataset(),
+        processing_class=tok,
+        rollout_func=rollout_func,
+    )
+    trainer.train()
+    assert seen and all("rollout_logprobs" in data for data in seen)
+    data = seen[0]
+    valid = data["shifted_labels"] != -100
+    assert torch.all(data["rollout_logprobs"][valid] <= -1.0)
+    assert math.isfinite(_step_logs(trainer)[0]["loss"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Mapping of TRL options, bad input
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        ({"loss_type": "dapo", "epsilon_high": 0.28}, ("vanilla", "token-mean", 0.2, 0.28)),
+        ({"loss_type": "grpo"}, ("vanilla", "seq-mean-token-mean", 0.2, 0.2)),
+        ({"loss_type": "dr_grpo"}, ("vanilla", "seq-mean-token-sum-norm", 0.2, 0.2)),
+        ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, ("gspo", "seq-mean-token-sum", 0.2, 0.2)),
+        ({"loss_type": "cispo", "epsilon_high": 5.0}, ("cispo", "token-mean", CISPO_NO_LOWER_BOUND, 4.0)),
+        ({"loss_type": "sapo"}, ("sapo", "seq-mean-token-mean", None, None)),
+    ],
+)
+def test_trl_options_mapping(tmp_path, options, expected):
+    args = RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, max_completion_length=32, **options)
+    cfg = args.rl_loss_config
+    loss_type, agg, low, high = expected
+    assert (cfg.policy_loss_cfg.loss_type, cfg.agg_mode) == (loss_type, agg)
+    if low is not None:
+        assert (cfg.policy_loss_cfg.cliprange_low, cfg.policy_loss_cfg.cliprange_high) == (low, high)
+    if agg == "seq-mean-token-sum-norm":
+        assert cfg.loss_scale_factor == 32.0
+    mapped, _ = trl_options_to_rl_loss(args)
+    assert RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, rl_loss=mapped).rl_loss_config == cfg
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"rl_loss": {"policy_loss_cfg": {"cliprange_low": 1.5}}}, r"rl_loss\.policy_loss_cfg\.cliprange_low"),
+        ({"rl_loss": {"kl_coef": 0.1}}, r"rl_loss\.kl_coef: unknown key"),
+        ({"rl_loss": {"policy_loss_cfg": {"loss_type": "vanilla", "tau": 1}}}, r"rl_loss\.policy_loss_cfg.*'tau'"),
+        ({"rl_loss": {"use_kl_loss": True}}, r"needs kl_loss_type"),
+        ({"rl_loss": {"use_kl_loss": True, "kl_loss_type": "k3"}, "beta": 0.04}, r"rl_loss\.kl_loss_coef"),
+        ({"rl_loss": {}, "epsilon_high": 0.28}, r"rl_loss\.policy_loss_cfg\.cliprange_high"),
+        ({"rl_loss": {}, "loss_type": "grpo"}, r"loss_type='grpo' conflicts with rl_loss"),
+        ({"loss_type": "vespo"}, r"rl_loss\.policy_loss_cfg\.loss_type"),
+        ({"loss_type": "cispo"}, r"epsilon_high"),
+        ({"delta": 2.0}, r"delta=2.0 is not supported"),
+        ({"top_entropy_quantile": 0.2}, r"top_entropy_quantile"),
+        ({"entropy_coef": 0.01}, r"entropy bonus"),
+        ({"gradient_accumulation_steps": 4, "steps_per_generation": 2}, r"multiple of gradient_accumulation_steps"),
+        ({"sp_size": 0}, r"sp_size"),
+    ],
+)
+def test_bad_config(tmp_path, options, match):
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **options)
+
+
+def test_bad_trainer_arguments(tok, tmp_path):
+    model = make_model(tok)
+    kl = {"use_kl_loss": True, "kl_loss_type": "k3"}
+    model.is_loaded_in_4bit = True  # a quantized in-memory policy cannot be deep-copied into a reference
+    with pytest.raises(ValueError, match="needs a reference model"):
+        RLLossGRPOTrainer(
+            model,
+            reward_length,
+            args=_config(tmp_path, rl_loss=kl),
+            train_dataset=make_dataset(),
+            processing_class=tok,
+        )
+    del model.is_loaded_in_4bit
+    with pytest.raises(ValueError, match="use_kl_loss is false"):
+        RLLossGRPOTrainer(
+            model,
+            reward_length,
+            args=_config(tmp_path),
+            train_dataset=make_dataset(),
+            processing_class=tok,
+            ref_model=make_model(tok),
+        )
+    with pytest.raises(TypeError, match="RLLossGRPOConfig"):
+        RLLossGRPOTrainer(
+            model,
+            reward_length,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+            train_dataset=make_dataset(),
+            processing_class=tok,
+        )
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="softcaps"):
+        RLLossGRPOTrainer(
+            model, reward_length, args=_config(tmp_path), train_dataset=make_dataset(), processing_class=tok
+        )
