@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
@@ -61,6 +61,34 @@ def _logit_scale(text_config: Any) -> float:
     return 1.0 if scale is None else float(scale)
 
 
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records ``log p(sampled token)`` under the *processed* sampling distribution of HF ``generate``.
+
+    Appended after every logits processor *and warper* (transformers merges user processors before the warpers, so
+    the trainer appends it to the list `_get_logits_processor` builds), it sees the scores after penalties,
+    temperature and top-k/top-p, i.e. exactly the distribution the token is drawn from. The token is only known at
+    the next step, so each call records the previous step's value (one `(B, V)` block alive at a time); `finish`
+    records the last one.
+    """
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.previous is not None:
+            self.values.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """`(B, generated)` log-probs of the generated tokens, given the `(B,)` tokens sampled at the last step."""
+        if self.previous is not None:
+            self.values.append(self.previous.gather(-1, last_tokens.to(self.previous.device)[:, None]).squeeze(-1))
+            self.previous = None
+        return torch.stack(self.values, dim=1) if self.values else torch.zeros(last_tokens.size(0), 0)
+
+
 class RLLossGRPOTrainer(GRPOTrainer):
     r"""`GRPOTrainer` whose loss is computed by the hf_rlloss loss layer (`args.rl_loss`, see `RLLossGRPOConfig`).
 
@@ -98,7 +126,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
     its PEFT adapter disabled (or TRL's frozen `"ref"` adapter for a pre-trained `PeftModel`), else the model loaded
     from the path the policy was given as, else a deep copy of the in-memory policy taken before training. Rollout
     log-probs (`sampling_per_token_logps`, from vLLM or a `rollout_func`) are passed as `rollout_logprobs` and TRL's
-    vLLM importance-sampling ratio as `rollout_is_weights`.
+    vLLM importance-sampling ratio as `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
+    trainer records the log-probs of the sampled tokens under the processed sampling distribution
+    (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
+    log-probs are then always computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches`.
 
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.
@@ -383,8 +414,51 @@ class RLLossGRPOTrainer(GRPOTrainer):
         with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
             return self.compute_per_token_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
 
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        hf_generate = not self.use_vllm and not self.args.use_transformers_paged
+        if not (hf_generate and self.args.rollout_logprobs):
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        lm = self._causal_lm(self.accelerator.unwrap_model(self.model))  # the module whose generate() runs
+        recorder = SampledTokenLogprobs()
+        original = lm._get_logits_processor
+        shadowed = vars(lm).get("_get_logits_processor")
+
+        def get_logits_processor(*args, **kwargs) -> LogitsProcessorList:
+            processors = original(*args, **kwargs)
+            processors.append(recorder)  # after the warpers: the distribution actually sampled from
+            return processors
+
+        lm._get_logits_processor = get_logits_processor
+        try:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        finally:
+            if shadowed is None:
+                del lm._get_logits_processor
+            else:
+                lm._get_logits_processor = shadowed
+        if logprobs is None and recorder.previous is not None:
+            steps = len(recorder.values) + 1
+            # rows that ran to the last step hold its token; shorter rows (ended by EOS) never use that value
+            last = torch.tensor([ids[steps - 1] if len(ids) >= steps else 0 for ids in completion_ids])
+            values = recorder.finish(last).cpu()
+            logprobs = [values[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+        return completion_ids, logprobs
+
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        if batch.get("sampling_per_token_logps") is not None and batch.get("old_per_token_logps") is None:
+            # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update.
+            input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            batch_size = self.args.per_device_train_batch_size if self.model.training else None
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                batch["old_per_token_logps"] = self.compute_per_token_logps(
+                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size
+                )
         if self.rl_loss_config.use_kl_loss:
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
@@ -419,10 +493,13 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return data
 
     def build_loss_context(self, inputs: dict[str, Any]) -> BaseRLLossContext:
-        """The loss context of one micro-batch (before `build_batches`)."""
+        """The loss context of one micro-batch (before `build_batches`), after rollout IS when rollout log-probs
+        exist (weights and rejected tokens per `rl_loss.rollout_is`; in any case the mismatch metrics)."""
         ctx = self.rl_loss_config.build(self.build_loss_data(inputs))
         if ctx is None:
             raise ValueError("build_loss_data must give shifted_labels and advantages")
+        if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
+            ctx.compute_rollout_is()
         return ctx
 
     def _build_step_contexts(self) -> None:

@@ -203,6 +203,15 @@ class RLLossGRPOConfig(GRPOConfig):
             "options (loss_type, epsilon, epsilon_high, beta, ...) are mapped onto it."
         },
     )
+    rollout_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "With HF generate: record the log-probs of the sampled tokens under the processed sampling "
+            "distribution, so that rollout importance sampling (rl_loss.rollout_is) and the training-inference "
+            "mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per generation batch when "
+            "old log-probs are not needed anyway. vLLM and rollout_func provide their own log-probs."
+        },
+    )
     sp_size: int = field(
         default=1,
         metadata={"help": "Sequence-parallel degree (reserved; only 1 is supported by this version)."},
@@ -237,6 +246,22 @@ class RLLossGRPOConfig(GRPOConfig):
                 "optimizer step is normalized over all of its micro-batches, which must come from one generation"
             )
         self.rl_loss_config = self._build_rl_loss_config()
+        self._check_rollout_is_backend()
+
+    def _check_rollout_is_backend(self) -> None:
+        if not self.rl_loss_config.rollout_is.enabled:
+            return
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "rl_loss.rollout_is and TRL's vllm_importance_sampling_correction would both correct the rollout "
+                "mismatch: set vllm_importance_sampling_correction=False (rl_loss.rollout_is replaces it)"
+            )
+        if not self.use_vllm and (self.use_transformers_paged or not self.rollout_logprobs):
+            raise ValueError(
+                "rl_loss.rollout_is needs the rollout's log-probs, which this generation backend does not yield: "
+                "use HF generate with rollout_logprobs=True (and use_transformers_paged=False), vLLM, or a "
+                "rollout_func that returns logprobs"
+            )
 
     def _build_rl_loss_config(self) -> BaseRLLossConfig:
         if self.rl_loss is None:

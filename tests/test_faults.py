@@ -59,7 +59,8 @@ def _raising_worker(rank, world_size):
 @pytest.mark.distributed
 def test_a_raising_rank_fails_the_test_instead_of_hanging():
     start = time.monotonic()
-    with pytest.raises(ProcessRaisedException, match="injected failure on rank 1"):
+    # whichever rank reports first (rank 1's own error, or rank 0's barrier failing on the dead peer), it fails
+    with pytest.raises(ProcessRaisedException, match="injected failure on rank 1|barrier"):
         run_distributed(_raising_worker, 2, timeout=60)
     assert time.monotonic() - start < 60
 

@@ -440,3 +440,49 @@ def test_bad_trainer_arguments(tok, tmp_path):
         RLLossGRPOTrainer(
             model, reward_length, args=_config(tmp_path), train_dataset=make_dataset(), processing_class=tok
         )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rollout log-probs from HF generate, rollout IS in the trainer
+
+
+def _generate_for_real(tok, tmp_path, **overrides):
+    """Train with TRL's real HF `generate` (sampling), not the fixed completions."""
+    args = _config(tmp_path, max_steps=2, **overrides)
+    trainer = RLLossGRPOTrainer(
+        make_model(tok), [reward_length], args=args, train_dataset=make_dataset(), processing_class=tok
+    )
+    trainer.train()
+    return _step_logs(trainer)
+
+
+def test_hf_generate_records_rollout_logprobs_and_mismatch_is_zero_without_truncation(tok, tmp_path):
+    # temperature only: the sampling distribution is the trained one, so the mismatch is numerical noise
+    logs = _generate_for_real(tok, tmp_path, temperature=0.7)
+    for log in logs:
+        assert abs(log["mismatch/mismatch_kl"]) < 1e-4, log
+        assert abs(log["mismatch/mismatch_k3_kl"]) < 1e-6
+        assert log["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+        assert log["rollout_is/nonfinite_tokens"] == 0
+
+
+def test_top_k_sampling_shows_up_as_mismatch(tok, tmp_path):
+    # top-k renormalizes the sampling distribution: the rollout log-probs are higher than the trained policy's
+    logs = _generate_for_real(tok, tmp_path, top_k=3)
+    assert all(log["mismatch/mismatch_kl"] > 1e-3 for log in logs), [log["mismatch/mismatch_kl"] for log in logs]
+    assert all(log["rollout_is/mean"] < 1.0 for log in logs)
+
+
+def test_rollout_is_in_the_trainer_rejects_and_reports(tok, tmp_path):
+    rl_loss = {"rollout_is": {"level": "token", "mode": "both", "lower": 0.8, "upper": 1.25}}
+    logs = _generate_for_real(tok, tmp_path, top_k=3, rl_loss=rl_loss)
+    for log in logs:
+        assert 0.0 < log["rollout_is/masked_fraction"] <= 1.0
+        assert log["rollout_is/rejected_token_fraction"] == pytest.approx(log["rollout_is/masked_fraction"])
+        assert math.isfinite(log["loss"])
+
+
+def test_rollout_is_without_rollout_logprobs_is_rejected_at_construction(tmp_path):
+    rl_loss = {"rollout_is": {"upper": 2.0}}
+    with pytest.raises(ValueError, match="rollout_is needs the rollout's log-probs"):
+        _config(tmp_path, rl_loss=rl_loss, rollout_logprobs=False)
