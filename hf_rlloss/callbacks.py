@@ -1,0 +1,68 @@
+"""Trainer callbacks: write the logged metrics to JSON lines and plot the training curves at the end of training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from transformers import TrainerCallback
+
+# panel title -> metric keys tried in order (the first one present is plotted)
+CURVES = {
+    "reward": ("reward",),
+    "KL to reference / old policy": ("train_policy/ref_kl", "train_policy/kl3"),
+    "clip fraction": ("train_policy/clip_frac_high", "train_policy/clip_frac_low"),
+    "rollout mismatch KL": ("mismatch/mismatch_kl",),
+}
+
+
+class MetricsPlotCallback(TrainerCallback):
+    """On the main process: append every log to ``<output_dir>/metrics.jsonl`` and, at the end of training, plot
+    reward, KL, clip fraction and rollout mismatch per step to ``<output_dir>/training_curves.png``."""
+
+    def __init__(self, output_dir: str | None = None):
+        self.output_dir = output_dir
+        self.history: list[dict] = []
+
+    def _dir(self, args) -> str:
+        return self.output_dir or args.output_dir
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        self.history.append(record)
+        os.makedirs(self._dir(args), exist_ok=True)
+        with open(os.path.join(self._dir(args), "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.history:
+            plot_curves(self.history, os.path.join(self._dir(args), "training_curves.png"))
+
+
+def plot_curves(history: list[dict], path: str) -> str:
+    """Plot the `CURVES` panels of a list of logged records (with a ``step`` key) to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (title, keys) in zip(axes.flat, CURVES.items()):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in history if key in r and math.isfinite(r[key])]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,100 @@
+"""The recipe: every YAML is valid, bad input fails before any model is loaded, and the smoke config runs end to end
+under `accelerate launch` with 2 processes."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import grpo  # noqa: E402
+
+from hf_rlloss import GRPOLossConfig  # noqa: E402
+
+RECIPES = sorted((ROOT / "recipes").rglob("config_*.yaml"))
+VALID_KEYS = {f.name for t in (grpo.GRPOScriptArguments, grpo.RLLossGRPOConfig, grpo.ModelConfig) for f in fields(t)}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
+def test_every_recipe_yaml_is_valid(path):
+    config = yaml.safe_load(path.read_text())
+    unknown = set(config) - VALID_KEYS - {"env"}
+    assert not unknown, f"{path}: unknown keys {unknown}"
+    GRPOLossConfig(**config.get("rl_loss", {}))
+    assert path.read_text().startswith("#"), "each recipe starts with a comment saying what it is for"
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(grpo, "resolve_model", fail)
+
+
+SMOKE = str(ROOT / "recipes/tiny/arithmetic/config_smoke.yaml")
+
+
+def test_unknown_yaml_key_names_it_and_lists_valid_keys(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(SMOKE).read_text() + "\nlearning_rat: 1.0e-5\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['learning_rat'\].*learning_rate.*valid keys: .*beta"):
+        grpo.parse_args(["--config", str(bad)])
+
+
+def test_unknown_cli_flag_is_rejected():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_stepz'\]"):
+        grpo.parse_args(["--config", SMOKE, "--max_stepz", "3"])
+
+
+def test_unknown_reward_fails_before_the_model(no_model_loading, tmp_path):
+    script_args, training_args, model_args = grpo.parse_args(
+        ["--config", SMOKE, "--output_dir", str(tmp_path), "--reward_funcs", "accuracy", "lenght"]
+    )
+    with pytest.raises(
+        ValueError, match=r"unknown reward function\(s\) \['lenght'\]; valid: \['accuracy', 'format'\]"
+    ):
+        grpo.main(script_args, training_args, model_args)
+
+
+def test_missing_dataset_column_fails_before_the_model(no_model_loading, tmp_path, monkeypatch):
+    import datasets
+
+    fake = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"problem": "1+1", "solution": "2"}])})
+    monkeypatch.setattr(grpo.datasets, "load_dataset", lambda *a, **k: fake)
+    script_args, training_args, model_args = grpo.parse_args(
+        ["--config", SMOKE, "--output_dir", str(tmp_path), "--dataset_name", "my/dataset"]
+    )
+    with pytest.raises(ValueError, match=r"no column\(s\) \['question', 'answer'\]; its columns: \['problem', 'solu"):
+        grpo.main(script_args, training_args, model_args)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_smoke_recipe_with_two_processes(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_RLLOSS_CACHE": str(tmp_path / "cache")}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ROOT / "accelerate_configs/multi_process_cpu.yaml"),
+        str(ROOT / "recipes/grpo.py"), "--config", SMOKE, "--output_dir", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "metrics.jsonl"):
+        assert (out / name).exists(), name
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    assert "hf-rlloss" in (out / "README.md").read_text()
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [log for log in logs if "loss" in log]
+    assert len(steps) == 2
+    for key in ("reward", "train_policy/ref_kl", "mismatch/mismatch_kl", "rollout_is/mean", "train_policy/entropy"):
+        assert all(key in log for log in steps), key
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
