@@ -10,10 +10,12 @@ import contextlib
 import copy
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import is_peft_model
+from datasets import IterableDataset
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
@@ -24,6 +26,8 @@ from trl.trainer.utils import (
     create_model_from_path,
     disable_dropout_in_model,
     maybe_gather_lm_head_ctx,
+    repeat_iterable_dataset,
+    split_tensor_dict,
     use_adapter,
 )
 
@@ -31,6 +35,14 @@ from .chunked_logprobs import chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
+from .sequence_parallel import (
+    build_sp_mesh,
+    register_ulysses_attention,
+    sp_gather,
+    sp_shard_inputs,
+    sp_split,
+    ulysses_sequence_parallel,
+)
 from .trainer_config import RLLossGRPOConfig
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
@@ -59,6 +71,60 @@ def _logit_scale(text_config: Any) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else float(scale)
+
+
+# Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
+SP_WRAPPABLE_ATTENTION = ("sdpa", "eager", "ulysses_sdpa")
+
+
+class PackedRows(NamedTuple):
+    """Rows of a padded prompt/completion batch packed into one row, for sequence parallelism.
+
+    `input_ids`/`position_ids` are `(1, L)`: each sequence's prompt without its left padding followed by its completion
+    without its right padding, positions restarting at 0 per sequence; `num_tokens` `(B,)` their lengths. Completion
+    token `(rows[k], cols[k])` of the padded batch is predicted at packed position `label_index[k]` (the position
+    before it), i.e. a `(B, C)` completion-aligned tensor `x` becomes `packed[0, label_index] = x[rows, cols]`.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    label_index: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def pack(self, values: torch.Tensor, padding_value: float) -> torch.Tensor:
+        """A `(B, C)` completion-aligned tensor in the packed `(1, L)` layout, `padding_value` elsewhere."""
+        out = values.new_full((1, self.length), padding_value)
+        out[0, self.label_index] = values[self.rows, self.cols]
+        return out
+
+    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The inverse of `pack` for a `(1, L)` tensor: `(B, C)`, 0 where no completion token is."""
+        out = packed.new_zeros(shape)
+        out[self.rows, self.cols] = packed[0, self.label_index]
+        return out
+
+
+def pack_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> PackedRows:
+    """Pack a left-padded prompt batch and a right-padded completion batch (masks: 1 = real token) into one row."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    keep = torch.cat([prompt_mask, completion_mask], dim=1).bool()
+    num_tokens = keep.sum(dim=1)
+    starts = num_tokens.cumsum(0) - num_tokens
+    position_ids = (keep.long().cumsum(dim=1) - 1)[keep].unsqueeze(0)
+    packed_index = (keep.reshape(-1).long().cumsum(0) - 1).reshape(keep.shape)[:, prompt_ids.shape[1] :]
+    rows, cols = completion_mask.bool().nonzero(as_tuple=True)
+    label_index = packed_index[rows, cols] - 1
+    has_context = label_index >= starts[rows]  # a sequence's first token is not predicted from anything
+    rows, cols, label_index = rows[has_context], cols[has_context], label_index[has_context]
+    return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
 
 
 class SampledTokenLogprobs(LogitsProcessor):
@@ -134,13 +200,47 @@ class RLLossGRPOTrainer(GRPOTrainer):
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.
 
+    **Sequence parallelism** (`args.sp_size > 1`, DeepSpeed-Ulysses). The processes form a `(dp, sp)` mesh whose SP
+    groups are `sp_size` consecutive ranks (`self.sp_mesh`, the `"sp"` dimension); an SP group is one data-parallel
+    replica. The policy (and a separate reference model) switch to the `"ulysses_sdpa"` attention, which is plain
+    SDPA outside `ulysses_sequence_parallel` (so generation is unchanged) and Ulysses attention inside it.
+
+    * *Batches.* `per_device_train_batch_size` is the number of sequences in a micro-batch of an SP group: each rank
+      generates and scores its `1/sp_size` share of the group's generation batch (its dataloader yields
+      `per_device_train_batch_size × steps_per_generation / sp_size` prompts; see `RLLossGRPOConfig.sp_size`), then
+      the group all-gathers the scored batch (`_sp_all_gather_batch`), so each of its ranks holds the group's batch
+      in the same order; the shuffle before splitting it into `steps_per_generation` micro-batches is drawn on the
+      group's first rank and broadcast. TRL's reward and completion metrics are computed before this union, so no
+      sequence is counted twice. Evaluation keeps TRL's batches (each rank generates `per_device_eval_batch_size`
+      completions) and pools them over the group the same way.
+    * *Forward.* Each micro-batch is packed into one row `(1, L)` (prompts without left padding, completions without
+      right padding, `position_ids` restarting at 0 per sequence, see `pack_rows`), padded to a multiple of `sp_size`
+      and split: every rank runs the backbone on a contiguous `L / sp_size` shard inside
+      `ulysses_sequence_parallel(self.sp_mesh)` (all-to-all from sequence to head shards around SDPA, a block-causal
+      mask per packed sequence), so activation memory per rank is about `1/sp_size` of the micro-batch's. The loss
+      data (`build_loss_data`, completion-aligned `(B, C)`) is converted to the packed layout with `num_tokens` and
+      given full-length to `rl_loss_config.build(data, sp_mesh=self.sp_mesh)`, which keeps this rank's shard; the
+      loss layer counts every token and sequence once and reduces per-sequence statistics (GSPO, seq-mean
+      aggregations, sequence-level rollout IS) over the SP group. The returned loss is multiplied by the world size
+      and DDP averages gradients over all `dp × sp` ranks: the update is the gradient of the step's global loss.
+      The backward (and gradient-checkpointing recomputation) runs inside the SP context (`training_step`).
+    * *Log-probs.* The old and reference log-probs are computed by `compute_per_token_logps` on the same packed,
+      sharded path (after the group has pooled its batch), gathered over the group and stored in TRL's padded
+      `(B, C)` layout.
+    * *Requirements* (checked at construction): a multi-process launch with `sp_size` dividing the number of
+      processes; attention `sdpa`, `eager` or `ulysses_sdpa` (not FlashAttention, flex or paged attention); attention
+      heads divisible by `sp_size` (key/value heads need not be: they are replicated); no sliding-window or linear
+      attention layers; no TRL vLLM IS correction (use `rl_loss.rollout_is`); no continuous-batching generation.
+      Accelerate's `ParallelismConfig` (DeepSpeed ALST) is not used: TRL's `GRPOConfig` rejects it, and its
+      dataloader adapter and global `"sdpa"` patch do not fit GRPO's generation; use `sp_size` instead.
+
     **Subclassing.** Override `build_loss_data` to add keys to the data given to `rl_loss_config.build` (or
     `build_loss_context` to modify the context), set `RLLossGRPOConfig.loss_config_class` to use another loss
     configuration class, and `compute_hidden_states` / `get_head_weight` for models with an unusual layout.
 
     **Not supported** (rejected at construction): vision-language models, MoE router auxiliary losses, final-logit
-    softcapping, an LM head with a bias or a PEFT adapter, sequence parallelism (`sp_size > 1`). A logit scale
-    (`logit_scale`, `logits_scaling`, …) is folded into the temperature.
+    softcapping, an LM head with a bias or a PEFT adapter. A logit scale (`logit_scale`, `logits_scaling`, …) is
+    folded into the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -211,6 +311,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
         self._forward_redirection = _ForwardRedirection()
         self._rl_pending: deque[BaseRLLossContext] = deque()
         self._rl_step_metrics: dict[str, Any] = {}
+        self.sp_mesh = None
+        self._sp_defer_logps = False  # set while TRL scores a generation batch under SP (see _generate_and_score...)
+        self._sp_deferred_old_logps = False
+        if args.sp_size > 1:
+            self._setup_sequence_parallel(unwrapped)
         self.ref_model = self._build_reference(self._ref_source)
         self._ref_source = None
         if args.sync_ref_model:
@@ -263,6 +368,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 init_kwargs["device_map"] = None
             source = create_model_from_path(source, **init_kwargs)
         self._check_model_supported(source)
+        if self.sp_mesh is not None:
+            self._use_ulysses_attention(source, "the reference model")
         source.requires_grad_(False)
         source.eval()
         if self.args.disable_dropout:
@@ -272,6 +379,150 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if self.is_fsdp_enabled:
             return prepare_fsdp(source, self.accelerator)
         return self.accelerator.prepare_model(source, evaluation_mode=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Sequence parallelism: setup
+
+    def _setup_sequence_parallel(self, unwrapped: nn.Module) -> None:
+        sp = self.args.sp_size
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        if parallelism is not None and (
+            getattr(parallelism, "sp_enabled", False) or getattr(parallelism, "cp_enabled", False)
+        ):
+            raise ValueError(
+                "sp_size > 1 is RLLossGRPOTrainer's own Ulysses sequence parallelism: do not also enable Accelerate's "
+                "ParallelismConfig sp_size/cp_size (DeepSpeed ALST / context parallelism)"
+            )
+        if self.accelerator.num_processes % sp != 0:
+            raise ValueError(f"sp_size={sp} must divide the number of processes ({self.accelerator.num_processes})")
+        self._use_ulysses_attention(unwrapped, "the policy")
+        self.sp_mesh = build_sp_mesh(sp, device_type=self.accelerator.device.type)
+
+    def _use_ulysses_attention(self, model: nn.Module, what: str) -> None:
+        """Check that `model` can run under Ulysses SP and switch it to the `"ulysses_sdpa"` attention."""
+        sp = self.args.sp_size
+        lm = self._causal_lm(model)
+        name = type(lm).__name__
+        config = lm.config.get_text_config()
+        implementation = getattr(lm.config, "_attn_implementation", None) or "sdpa"
+        if implementation not in SP_WRAPPABLE_ATTENTION:
+            raise ValueError(
+                f"sp_size={sp}: {what} ({name}) uses attn_implementation={implementation!r}, which the Ulysses "
+                f"attention cannot wrap; load it with one of {', '.join(map(repr, SP_WRAPPABLE_ATTENTION))}"
+            )
+        heads = getattr(config, "num_attention_heads", None)
+        if heads is not None and heads % sp != 0:
+            raise ValueError(
+                f"sp_size={sp}: {what} ({name}) has {heads} attention heads, not divisible by sp_size (Ulysses gives "
+                "each rank of an SP group heads / sp_size of them); choose an sp_size that divides it"
+            )
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if layer_types - {"full_attention"} or getattr(config, "sliding_window", None) is not None:
+            kinds = ", ".join(sorted(layer_types - {"full_attention"})) or "sliding_window"
+            raise ValueError(
+                f"sp_size={sp}: {what} ({name}) has attention layers other than full causal attention ({kinds}), "
+                "which the Ulysses attention does not implement"
+            )
+        lm.set_attn_implementation(register_ulysses_attention())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Sequence parallelism: batches
+
+    def get_train_dataloader(self):
+        if self.args.sp_size == 1:
+            return super().get_train_dataloader()
+        # TRL's, with each rank loading its 1/sp share of its SP group's generation batch.
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            if self.shuffle_dataset:
+                dataset = dataset.shuffle(seed=self.args.seed)
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation // self.args.sp_size,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def get_total_train_batch_size(self, args) -> int:
+        # Sequences per optimizer step (logged, and used for throughput): an SP group is one data-parallel replica.
+        return super().get_total_train_batch_size(args) // getattr(args, "sp_size", 1)
+
+    def _sp_all_gather_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The generation batches of this rank's SP group, concatenated in rank order (the same on every rank).
+
+        Per-row tensors are padded to the group's longest (prompts on the left, everything else on the right; gloo
+        needs equal shapes) and all-gathered; 0-dim tensors and `None` are kept.
+        """
+        group = self.sp_mesh.get_group()
+        rows = batch["prompt_ids"].shape[0]
+        keys = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for key, value in batch.items():
+            if key in keys:
+                if value.shape[0] != rows:
+                    raise ValueError(f"sequence parallelism: batch[{key!r}] has {value.shape[0]} rows, not {rows}")
+            elif value is not None and not (isinstance(value, torch.Tensor) and value.dim() == 0):
+                raise ValueError(
+                    f"sequence parallelism cannot pool batch[{key!r}] ({type(value).__name__}) over the SP group"
+                )
+        device = batch["prompt_ids"].device
+        lengths = torch.tensor([batch[k].shape[1] if batch[k].dim() > 1 else 0 for k in keys], device=device)
+        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
+        pad_id = self._tokenizer.pad_token_id
+        out = dict(batch)
+        for key, length in zip(keys, lengths.tolist()):
+            value = batch[key]
+            if value.dim() > 1 and value.shape[1] < length:
+                fill = (
+                    pad_id if key.endswith("_ids") else 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
+                )
+                filler = value.new_full((rows, length - value.shape[1], *value.shape[2:]), fill)
+                value = torch.cat([filler, value] if key.startswith("prompt_") else [value, filler], dim=1)
+            value = value.contiguous()
+            shards = [torch.empty_like(value) for _ in range(self.args.sp_size)]
+            dist.all_gather(shards, value, group=group)
+            out[key] = torch.cat(shards, dim=0)
+        return out
+
+    def _sp_buffered_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's `_prepare_inputs` (training) for an SP group: generate, pool, shuffle alike on the group, split."""
+        spg = self.args.steps_per_generation
+        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)  # the SP group's pooled batch
+            rows = batch["prompt_ids"].shape[0]
+            permutation = torch.randperm(rows).to(batch["prompt_ids"].device)
+            group = self.sp_mesh.get_group()
+            dist.broadcast(permutation, src=dist.get_global_rank(group, 0), group=group)
+            batch = {k: v[permutation] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+            self._buffered_inputs = split_tensor_dict(batch, spg)
+        return self._buffered_inputs[self._step % spg]
+
+    def _sp_pack_batch(self, inputs: dict[str, Any]) -> PackedRows:
+        return pack_rows(
+            inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+        )
+
+    def _sp_hidden_states(self, unwrapped: nn.Module, packed: PackedRows) -> torch.Tensor:
+        """`(1, L_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective)."""
+        input_ids, position_ids = sp_shard_inputs(
+            packed.input_ids, packed.position_ids, self.sp_mesh, self._tokenizer.pad_token_id
+        )
+        with ulysses_sequence_parallel(self.sp_mesh):
+            return self.compute_hidden_states(unwrapped, input_ids, None, position_ids=position_ids)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.sp_mesh is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        # The backward, and the recomputation of gradient checkpointing in it, must run the Ulysses attention too;
+        # generation and scoring (in `_prepare_inputs`) leave the SP context.
+        with ulysses_sequence_parallel(self.sp_mesh):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------------------------------------------------
     # Hidden states and the LM head
@@ -297,15 +548,22 @@ class RLLossGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{name}'s LM head has a bias, which the loss layer does not add")
 
     def compute_hidden_states(
-        self, unwrapped: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        unwrapped: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast.
 
-        Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire.
+        Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
+        sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
+        `position_ids` of the shard (restarting at 0 at each packed sequence).
         """
         backbone = self._causal_lm(unwrapped).base_model
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         with self.accelerator.autocast():
-            outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         return outputs.last_hidden_state
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
@@ -344,9 +602,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
     ) -> torch.Tensor:
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
-        Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time.
+        Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
+        sequence parallelism every rank of the SP group must call it with the same rows (see `_sp_per_token_logps`).
         """
         batch_size = batch_size or input_ids.size(0)
+        if self.sp_mesh is not None:
+            return self._sp_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
         out = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32, device=input_ids.device)
 
         def forward(unwrapped, ids, mask):
@@ -371,6 +632,41 @@ class RLLossGRPOTrainer(GRPOTrainer):
             block[valid] = logps.float()
         return out
 
+    @torch.no_grad()
+    def _sp_per_token_logps(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size
+    ) -> torch.Tensor:
+        """`compute_per_token_logps` under SP: `batch_size` rows at a time packed into one row, each rank projecting
+        the tokens of its shard; the shards' log-probs are gathered over the group and unpacked to `(B, C)`."""
+        ignore = self.rl_loss_config.ignore_idx
+        out = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32, device=input_ids.device)
+
+        def forward(unwrapped, packed, labels):
+            hidden = self._sp_hidden_states(unwrapped, packed)
+            valid = labels != ignore
+            weight = self.get_head_weight(unwrapped)
+            with maybe_gather_lm_head_ctx(weight):
+                h, w = self._head_inputs(hidden[valid], weight)
+                logps, _ = chunked_logprobs(
+                    h, w, labels[valid], temperature=self._loss_temperature, chunk_size=self.rl_loss_config.chunk_size
+                )
+            return logps, valid
+
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            ids, mask = input_ids[rows], attention_mask[rows]
+            completion_ids = ids[:, -logits_to_keep:]
+            packed = pack_rows(
+                ids[:, :-logits_to_keep], mask[:, :-logits_to_keep], completion_ids, mask[:, -logits_to_keep:]
+            )
+            labels = sp_split(packed.pack(completion_ids, ignore), self.sp_mesh, 1, ignore)
+            logps, valid = self._call_through_wrapper(model, forward, packed, labels)
+            local = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+            local[valid] = logps.float()
+            full = sp_gather(local, self.sp_mesh, dim=1)[:, : packed.length]
+            out[rows] = packed.unpack(full, tuple(completion_ids.shape))
+        return out
+
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -383,6 +679,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
         **multimodal,
     ):
         # TRL calls this for the old log-probs (no grad): compute them exactly as the loss computes the current ones.
+        if self._sp_defer_logps and not torch.is_grad_enabled():
+            # Under SP, TRL scores this rank's share of the group's batch; the old log-probs are computed after the
+            # group has pooled it (`_generate_and_score_completions`), on the packed sharded path.
+            self._sp_deferred_old_logps = True
+            return None, None, None
         if (
             torch.is_grad_enabled()
             or compute_entropy
@@ -415,7 +716,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             return self.compute_per_token_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        hf_generate = not self.use_vllm and not self.args.use_transformers_paged
+        hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
         if not (hf_generate and self.args.rollout_logprobs):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -449,8 +750,17 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
-        if batch.get("sampling_per_token_logps") is not None and batch.get("old_per_token_logps") is None:
+        old_logps_deferred = False
+        if self.sp_mesh is None:
+            batch = super()._generate_and_score_completions(inputs)
+        else:
+            self._sp_deferred_old_logps = False
+            with _overridden(self, _sp_defer_logps=True):
+                batch = super()._generate_and_score_completions(inputs)
+            batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
+            old_logps_deferred = self._sp_deferred_old_logps
+        needs_old = old_logps_deferred or batch.get("sampling_per_token_logps") is not None
+        if needs_old and batch.get("old_per_token_logps") is None:
             # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update.
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -495,12 +805,31 @@ class RLLossGRPOTrainer(GRPOTrainer):
     def build_loss_context(self, inputs: dict[str, Any]) -> BaseRLLossContext:
         """The loss context of one micro-batch (before `build_batches`), after rollout IS when rollout log-probs
         exist (weights and rejected tokens per `rl_loss.rollout_is`; in any case the mismatch metrics)."""
-        ctx = self.rl_loss_config.build(self.build_loss_data(inputs))
+        data = self.build_loss_data(inputs)
+        if self.sp_mesh is not None:
+            data = self._sp_pack_loss_data(data, self._sp_pack_batch(inputs), tuple(inputs["completion_ids"].shape))
+        ctx = self.rl_loss_config.build(data, sp_mesh=self.sp_mesh)
         if ctx is None:
             raise ValueError("build_loss_data must give shifted_labels and advantages")
         if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
             ctx.compute_rollout_is()
         return ctx
+
+    def _sp_pack_loss_data(self, data: dict[str, Any], packed: PackedRows, shape: tuple[int, int]) -> dict[str, Any]:
+        """The loss data in the packed layout: `(B, C)` tensors packed, `num_tokens` added, per-sequence ones kept."""
+        out = {}
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+                padding = self.rl_loss_config.ignore_idx if key == "shifted_labels" else 0.0
+                value = packed.pack(value, 1.0 if key == "rollout_is_weights" else padding)
+            elif isinstance(value, torch.Tensor) and value.dim() > 1:
+                raise ValueError(
+                    f"sequence parallelism: loss data {key!r} has shape {tuple(value.shape)}; expected the "
+                    f"completions' shape {shape} or one value per sequence"
+                )
+            out[key] = value
+        out["num_tokens"] = packed.num_tokens
+        return out
 
     def _build_step_contexts(self) -> None:
         """At the first micro-batch of an optimizer step: the contexts of all its micro-batches, normalized once."""
@@ -518,7 +847,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
         self._rl_step_metrics = {}
 
     def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)
+        if self.sp_mesh is None:
+            inputs = super()._prepare_inputs(generation_batch)
+        else:
+            with ulysses_sequence_parallel(None):  # generation and scoring: no SP attention (see training_step)
+                if self.model.training:
+                    inputs = self._sp_buffered_inputs(generation_batch)
+                else:
+                    inputs = super()._prepare_inputs(generation_batch)
         if not self.model.training:
             return inputs
         if not self._rl_pending:
@@ -532,11 +868,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
     # Loss
 
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        length = completion_ids.size(1)
-        hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
+        if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
+            hidden = self._sp_hidden_states(unwrapped, self._sp_pack_batch(inputs))
+        else:
+            prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            length = completion_ids.size(1)
+            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
             hidden, weight = self._head_inputs(hidden, weight)

@@ -182,7 +182,12 @@ class RLLossGRPOConfig(GRPOConfig):
             `importance_sampling_level`, `sapo_temperature_*`) are mapped onto it (see `trl_options_to_rl_loss`);
             when set, those options must be left at their defaults or agree with it.
         sp_size (`int`, *optional*, defaults to `1`):
-            Sequence-parallel degree, reserved: only `1` is supported by this version of the trainer.
+            Sequence-parallel (Ulysses) degree: consecutive groups of `sp_size` processes act as one data-parallel
+            replica, each rank holding `1/sp_size` of every packed micro-batch (see `RLLossGRPOTrainer`). Must divide
+            the number of processes. With `sp_size > 1`, `per_device_train_batch_size` is the number of sequences in
+            a micro-batch of an SP group (not of a rank), and each rank generates `per_device_train_batch_size ×
+            steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
+            `per_device_train_batch_size × (processes / sp_size) × steps_per_generation`.
 
     The validated loss configuration is `config.rl_loss_config` (not a dataclass field: it is rebuilt from `rl_loss`
     and the TRL options on every construction, so saved and re-parsed configs give the same loss).
@@ -214,10 +219,22 @@ class RLLossGRPOConfig(GRPOConfig):
     )
     sp_size: int = field(
         default=1,
-        metadata={"help": "Sequence-parallel degree (reserved; only 1 is supported by this version)."},
+        metadata={
+            "help": "Sequence-parallel (Ulysses) degree: groups of sp_size consecutive processes share each "
+            "micro-batch, each holding 1/sp_size of its tokens. Must divide the number of processes. With "
+            "sp_size > 1, per_device_train_batch_size counts the sequences of a micro-batch of an SP group."
+        },
     )
 
     def __post_init__(self):
+        if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
+            raise ValueError(f"sp_size={self.sp_size!r} must be an integer >= 1")
+        if self.sp_size > 1 and self.generation_batch_size is not None:
+            raise ValueError(
+                f"sp_size={self.sp_size}: set steps_per_generation instead of generation_batch_size (with sequence "
+                "parallelism the generation batch is per_device_train_batch_size × (processes / sp_size) × "
+                "steps_per_generation)"
+            )
         super().__post_init__()
         if isinstance(self.rl_loss, str):
             try:
@@ -226,15 +243,8 @@ class RLLossGRPOConfig(GRPOConfig):
                 raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
         if self.rl_loss is not None and not isinstance(self.rl_loss, dict):
             raise ValueError(f"rl_loss must be a mapping; got {type(self.rl_loss).__name__}")
-        if not isinstance(self.sp_size, int) or self.sp_size < 1:
-            raise ValueError(f"sp_size={self.sp_size!r} must be an integer >= 1")
-        if self.world_size % self.sp_size != 0:
-            raise ValueError(f"sp_size={self.sp_size} must divide the number of processes ({self.world_size})")
         if self.sp_size > 1:
-            raise NotImplementedError(
-                f"sp_size={self.sp_size}: sequence parallelism is not supported by RLLossGRPOTrainer yet; "
-                "use sp_size=1"
-            )
+            self._check_sequence_parallel()
         for name, (in_use, why) in _UNSUPPORTED.items():
             if in_use(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
@@ -248,6 +258,43 @@ class RLLossGRPOConfig(GRPOConfig):
         self.rl_loss_config = self._build_rl_loss_config()
         self._check_rollout_is_backend()
 
+    def _check_sequence_parallel(self) -> None:
+        """`sp_size > 1`: a multi-process launch it divides, a generation batch it can split, supported options."""
+        sp, world = self.sp_size, self.world_size
+        if world == 1:
+            raise ValueError(
+                f"sp_size={sp} needs {sp} or a multiple of {sp} processes, but this is a single process: launch with "
+                f"`accelerate launch --num_processes {sp} ...` or `torchrun --nproc_per_node {sp} ...`"
+            )
+        if world % sp != 0:
+            raise ValueError(f"sp_size={sp} must divide the number of processes ({world})")
+        if self.use_transformers_continuous_batching or self.use_transformers_paged:
+            raise ValueError(
+                f"sp_size={sp} is not supported with use_transformers_continuous_batching (paged attention cannot "
+                "wrap the Ulysses attention): use HF generate, vLLM or a rollout_func"
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                f"sp_size={sp} with use_vllm needs vllm_importance_sampling_correction=False: under sequence "
+                "parallelism the old log-probs are computed after the SP group has pooled its completions, too late "
+                "for TRL's correction. Use rl_loss.rollout_is (e.g. {'level': 'token', 'upper': 2.0}) instead"
+            )
+        per_group = self.per_device_train_batch_size * self.steps_per_generation
+        if per_group % sp != 0:
+            raise ValueError(
+                f"sp_size={sp}: per_device_train_batch_size × steps_per_generation ({self.per_device_train_batch_size}"
+                f" × {self.steps_per_generation} = {per_group}) sequences per SP group and generation must be "
+                f"divisible by sp_size, since each of the {sp} ranks of a group generates an equal share of them"
+            )
+        # TRL derived the generation batch from the number of processes; an SP group is one data-parallel replica.
+        self.generation_batch_size = per_group * (world // sp)
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(
+                f"sp_size={sp}: the generation batch (per_device_train_batch_size × processes / sp_size × "
+                f"steps_per_generation = {self.generation_batch_size}) must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+
     def _check_rollout_is_backend(self) -> None:
         if not self.rl_loss_config.rollout_is.enabled:
             return
@@ -256,7 +303,7 @@ class RLLossGRPOConfig(GRPOConfig):
                 "rl_loss.rollout_is and TRL's vllm_importance_sampling_correction would both correct the rollout "
                 "mismatch: set vllm_importance_sampling_correction=False (rl_loss.rollout_is replaces it)"
             )
-        if not self.use_vllm and (self.use_transformers_paged or not self.rollout_logprobs):
+        if not self.use_vllm and (self.use_transformers_continuous_batching or not self.rollout_logprobs):
             raise ValueError(
                 "rl_loss.rollout_is needs the rollout's log-probs, which this generation backend does not yield: "
                 "use HF generate with rollout_logprobs=True (and use_transformers_paged=False), vLLM, or a "

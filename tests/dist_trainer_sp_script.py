@@ -1,0 +1,225 @@
+"""Train RLLossGRPOTrainer with sequence parallelism for a few steps with fixed completions; save parameters (rank 0).
+
+Run by `tests/test_trainer_sp.py` with 1 process (`python`, sp_size=1: the reference), 2 processes (sp=2) and 4
+(dp=2 × sp=2) through `torchrun`, every run with the same global batch: they must give the same losses, metrics and
+parameters. `--check-errors` also records the errors of bad constructions (needs a multi-process launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from _trainer_utils import (  # noqa: E402
+    BASE_ARGS,
+    FixedCompletions,
+    make_tokenizer,
+    reward_digit,
+    reward_length,
+    trainable_snapshot,
+)
+from datasets import Dataset  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
+
+# name -> (rl_loss, extra config, generation returns rollout log-probs)
+CASES = {
+    "vanilla": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {}, False),
+    # GSPO (per-sequence ratio, reduced over the SP group), with gradient checkpointing (recomputed under SP)
+    "gspo": (
+        {"policy_loss_cfg": {"loss_type": "gspo", "cliprange_low": 0.03, "cliprange_high": 0.04}},
+        {"gradient_checkpointing": True},
+        False,
+    ),
+    # sequence-level rollout IS (rejects and truncates whole sequences) with a KL to a reference copy
+    "rollout_is_seq": (
+        {
+            "rollout_is": {"level": "sequence", "mode": "both", "upper": 2.0},
+            "use_kl_loss": True,
+            "kl_loss_type": "k3",
+            "kl_loss_coef": 0.1,
+        },
+        {},
+        True,
+    ),
+}
+
+
+PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_policy/")
+
+
+def make_model(tokenizer, heads: int = 4, kv_heads: int = 1, hidden_size: int = 32) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 with grouped-query attention (fewer key/value heads than SP ranks: they are replicated)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def make_dataset(n: int = 16) -> Dataset:
+    """Prompts of 13 or 14 tokens: batches have left padding, packed rows have odd and even lengths."""
+    return Dataset.from_dict({"prompt": [f"Q{i}: add {i % 7}+{i % 5} =" for i in range(n)]})
+
+
+class FixedWithLogprobs(FixedCompletions):
+    """Fixed completions plus deterministic "rollout engine" log-probs near the tiny model's (about log 1/259)."""
+
+    def __call__(self, *args, **kwargs):
+        completions, _ = super().__call__(*args, **kwargs)
+        logprobs = [[-5.56 + 0.25 * math.sin(t + 3 * j) for j, t in enumerate(c)] for c in completions]
+        return completions, logprobs
+
+
+class RecordingTrainer(RLLossGRPOTrainer):
+    """Records the length of every packed SP row."""
+
+    packed_lengths: list[int] = []
+
+    def _sp_pack_batch(self, inputs):
+        packed = super()._sp_pack_batch(inputs)
+        self.packed_lengths.append(packed.length)
+        return packed
+
+
+def _config(out_dir, sp, per_device, grad_accum, steps, num_iterations, rl_loss, **extra):
+    options = {
+        **BASE_ARGS,
+        "per_device_train_batch_size": per_device,
+        "num_generations": 2,
+        "learning_rate": 0.05,
+        **extra,
+    }
+    return RLLossGRPOConfig(
+        output_dir=out_dir,
+        **options,
+        gradient_accumulation_steps=grad_accum,
+        max_steps=steps,
+        num_iterations=num_iterations,
+        optim="sgd",
+        rl_loss=rl_loss,
+        sp_size=sp,
+    )
+
+
+def check_errors(tok, out_dir) -> dict[str, str]:
+    """The errors of bad constructions, by name ("" when nothing was raised)."""
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = ""
+        except (ValueError, NotImplementedError) as err:
+            errors[name] = str(err)
+
+    base = {"sp": 2, "per_device": 2, "grad_accum": 2, "steps": 1, "num_iterations": 1, "rl_loss": None}
+    attempt("sp_not_dividing", lambda: _config(out_dir, **{**base, "sp": 3}))
+    attempt("batch_not_divisible", lambda: _config(out_dir, **{**base, "per_device": 1, "grad_accum": 1}))
+    attempt("vllm_is_correction", lambda: _config(out_dir, **base, use_vllm=True))
+    attempt("continuous_batching", lambda: _config(out_dir, **base, use_transformers_continuous_batching=True))
+
+    def trainer(model):
+        RLLossGRPOTrainer(
+            model, reward_length, args=_config(out_dir, **base), train_dataset=make_dataset(), processing_class=tok
+        )
+
+    attempt("heads_not_divisible", lambda: trainer(make_model(tok, heads=3, kv_heads=1, hidden_size=24)))
+    flex = make_model(tok)
+    flex.set_attn_implementation("flex_attention")
+    attempt("flex_attention", lambda: trainer(flex))
+    fa2 = make_model(tok)
+    fa2.config._attn_implementation = "flash_attention_2"  # not installed here: set without loading the kernel
+    attempt("flash_attention_2", lambda: trainer(fa2))
+    attempt("good", lambda: trainer(make_model(tok)))
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sp", type=int, required=True)
+    parser.add_argument("--per-device-batch-size", type=int, required=True)
+    parser.add_argument("--eval-batch-size", type=int, required=True)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--num-iterations", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--check-errors", action="store_true")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    run_dir = os.path.join(os.path.dirname(cli.out), "run")
+    results = {"cases": {}}
+    if cli.check_errors:
+        results["errors"] = check_errors(tok, run_dir)
+    for name in cli.cases:
+        rl_loss, extra, with_logprobs = CASES[name]
+        if name == "vanilla":  # also an evaluation at the end (one batch of 8 completions over all ranks)
+            extra = {**extra, "eval_strategy": "steps", "eval_steps": cli.steps}
+            extra["per_device_eval_batch_size"] = cli.eval_batch_size
+        args = _config(
+            os.path.join(run_dir, name),
+            cli.sp,
+            cli.per_device_batch_size,
+            cli.grad_accum,
+            cli.steps,
+            cli.num_iterations,
+            rl_loss,
+            **extra,
+        )
+        RecordingTrainer.packed_lengths = []
+        trainer = RecordingTrainer(
+            make_model(tok),
+            [reward_length, reward_digit],
+            args=args,
+            train_dataset=make_dataset(),
+            eval_dataset=make_dataset(4) if name == "vanilla" else None,
+            processing_class=tok,
+        )
+        generator = FixedWithLogprobs if with_logprobs else FixedCompletions
+        trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
+        trainer.train()
+        lengths = torch.tensor(RecordingTrainer.packed_lengths, dtype=torch.long)
+        if trainer.accelerator.is_main_process:
+            history = [
+                {k: v for k, v in h.items() if k in ("loss", "eval_loss/total") or k.startswith(PREFIXES)}
+                for h in trainer.state.log_history
+            ]
+            evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+            results["cases"][name] = {
+                "params": trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model)),
+                "history": [h for h in history if h],
+                "eval_loss": evals,
+                "packed_lengths": lengths.tolist(),
+                "attn": trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation,
+            }
+        results["world_size"] = trainer.accelerator.num_processes
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(results, cli.out)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
