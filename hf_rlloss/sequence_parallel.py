@@ -170,6 +170,14 @@ def _heads_to_sequence(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return received.permute(1, 0, 2, 3, 4).reshape(b, size * h_local, s, d)
 
 
+def _document_bounds(global_positions: torch.Tensor) -> list[int] | None:
+    """Start offsets of the packed sequences of a single row (positions restart), or `None` for one sequence."""
+    starts = (global_positions[0, 1:] != global_positions[0, :-1] + 1).nonzero().squeeze(-1) + 1
+    if starts.numel() == 0:
+        return None
+    return [0, *starts.tolist(), global_positions.shape[1]]
+
+
 def _packed_causal_mask(global_positions: torch.Tensor) -> torch.Tensor | None:
     """`(B, 1, S, S)` bool mask for packed sequences (positions restart), or `None` when plain causal suffices."""
     starts = global_positions[:, 1:] != global_positions[:, :-1] + 1
@@ -179,6 +187,26 @@ def _packed_causal_mask(global_positions: torch.Tensor) -> torch.Tensor | None:
     length = global_positions.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=doc.device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+def _causal_sdpa(q, k, v, global_positions, dropout: float, scaling: float | None) -> torch.Tensor:
+    """Causal attention within each packed sequence. A single packed row (the trainer's layout) runs SDPA per
+    sequence with `is_causal=True` — memory linear in the row length instead of an `(L, L)` mask; a batch of
+    several rows falls back to an explicit block-causal mask."""
+
+    def sdpa(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+
+    if global_positions.shape[0] == 1:
+        bounds = _document_bounds(global_positions)
+        if bounds is None:
+            return sdpa(q, k, v)
+        pieces = [sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return torch.cat(pieces, dim=2)
+    return sdpa(q, k, v, _packed_causal_mask(global_positions))
 
 
 def ulysses_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -208,17 +236,7 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, dropout
         raise ValueError("Ulysses attention needs position_ids (global positions of the local shard)")
     q, k, v = (_sequence_to_heads(t, size, group) for t in (query, key, value))
     positions = sp_gather(position_ids.expand(query.shape[0], -1), mesh, dim=1)
-    mask = _packed_causal_mask(positions)
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=dropout if module.training else 0.0,
-        is_causal=mask is None,
-        scale=scaling,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    out = _causal_sdpa(q, k, v, positions, dropout if module.training else 0.0, scaling)
     return _heads_to_sequence(out, size, group).transpose(1, 2).contiguous(), None
 
 

@@ -339,6 +339,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
             return ref_model
         if peft_config is not None:
             return "adapter"
+        if isinstance(model, str):  # the reference is loaded from the same path
+            return model
         if is_peft_model(model):
             # As TRL does for beta != 0: a frozen copy of the pre-trained adapter is the reference.
             default_config = model.peft_config["default"]
@@ -347,8 +349,6 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 if ".default." in name:
                     model.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
             return "adapter"
-        if isinstance(model, str):
-            return model
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             raise ValueError(
                 "rl_loss.use_kl_loss needs a reference model, and a quantized in-memory policy cannot be copied: pass "

@@ -486,3 +486,19 @@ def test_rollout_is_without_rollout_logprobs_is_rejected_at_construction(tmp_pat
     rl_loss = {"rollout_is": {"upper": 2.0}}
     with pytest.raises(ValueError, match="rollout_is needs the rollout's log-probs"):
         _config(tmp_path, rl_loss=rl_loss, rollout_logprobs=False)
+
+
+def test_model_given_as_a_path_with_kl(tok, tmp_path):
+    # the policy and its KL reference are both loaded from the path (TRL's usual way of naming a model)
+    path = tmp_path / "policy"
+    make_model(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    rl_loss = {"use_kl_loss": True, "kl_loss_type": "k3"}
+    args = _config(tmp_path, max_steps=2, rl_loss=rl_loss)
+    trainer = RLLossGRPOTrainer(
+        str(path), [reward_length], args=args, train_dataset=make_dataset(), processing_class=tok
+    )
+    patch_generation(trainer, tok)
+    trainer.train()
+    logs = _step_logs(trainer)
+    assert logs[0]["train_policy/ref_kl"] == pytest.approx(0.0, abs=1e-6) and logs[1]["train_policy/ref_kl"] > 0
