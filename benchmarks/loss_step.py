@@ -15,21 +15,14 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
+from _memory import peak_rss_mb, reset_peak_rss, rss_mb
+
 METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _inputs(tokens, vocab, hidden, device, dtype):
@@ -115,7 +108,8 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name):
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     h.grad = w.grad = None
-    baseline = _rss_mb()
+    reset_peak_rss()
+    baseline = rss_mb()
     sync()
     start = time.perf_counter()
     step()
@@ -124,7 +118,7 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name):
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
+        peak = peak_rss_mb() - baseline
     return {"seconds": seconds, "peak_mb": peak}
 
 

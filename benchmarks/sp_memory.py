@@ -33,24 +33,9 @@ import subprocess
 import sys
 import time
 
+from _memory import reset_peak_rss, status_kb
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(cli) -> None:
@@ -138,11 +123,11 @@ def worker(cli) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     else:
-        if not _reset_peak_rss():
+        if not reset_peak_rss():
             raise RuntimeError("cannot reset the RSS high-water mark (/proc/self/clear_refs)")
-        baseline = _status_kb("VmRSS") * 1024
+        baseline = status_kb("VmRSS") * 1024
     times = [step() for _ in range(cli.steps)]
-    peak = (torch.cuda.max_memory_allocated(device) if cuda else _status_kb("VmHWM") * 1024) - baseline
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else status_kb("VmHWM") * 1024) - baseline
     result = {
         "rank": rank,
         "peak_mb": peak / 2**20,

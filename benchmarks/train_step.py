@@ -15,11 +15,12 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from _memory import peak_rss_mb, reset_peak_rss, rss_mb
 
 VARIANTS = {
     # name: (trainer, rl_loss overrides or None for stock TRL, extra args)
@@ -29,14 +30,6 @@ VARIANTS = {
     "hf_rlloss+rollout_is": ("ours", {"rollout_is": {"level": "token", "mode": "both", "upper": 2.0}}, {"is": True}),
     "hf_rlloss-entropy": ("ours", {"compute_entropy": False}, {}),
 }
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int) -> dict:
@@ -86,14 +79,15 @@ def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int
         return ids, logprobs
 
     trainer._generate_single_turn = fixed
-    baseline = _rss_mb()
+    reset_peak_rss()
+    baseline = rss_mb()
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
     step_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h][1:]
     return {
         "step_s": statistics.median(step_times) if step_times else total / steps,
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline,
+        "peak_mb": peak_rss_mb() - baseline,
     }
 
 
