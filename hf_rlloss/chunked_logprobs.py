@@ -24,17 +24,9 @@ from .metrics import accumulate_metrics
 
 ChunkObjective = Callable[[torch.Tensor, slice, torch.Tensor | None], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
-
-def _chunk_log_softmax(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_softmax(logits), log π(label))`` of one chunk: ``(n, V)`` float32 and ``(n,)``."""
-    logits = hidden @ weight.t()
-    logits = logits.to(_compute_dtype(logits.dtype))
-    if temperature != 1.0:
-        logits.div_(temperature)
-    logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: now log-probabilities
-    return logits, logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+# Elementwise passes over a chunk's `(n, V)` buffer run on blocks of rows, so that their temporaries stay small
+# (64 × V) next to the one `(n, V)` buffer the chunk needs.
+_ROW_BLOCK = 64
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,8 +34,41 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
-    return -(log_probs.exp() * log_probs).sum(-1)
+def _chunk_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    want_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's logits turned, in their own `(n, V)` buffer, into probabilities (if `want_probs`), with
+    ``log π(label)`` `(n,)` and the entropies `(n,)` — one `exp` per element.
+
+    Per row block: ``m = max z``, ``e = exp(z − m)``, ``s = Σ e``; then ``log π(y) = z_y − m − log s``,
+    ``H = log s − Σ e·(z − m) / s`` and ``p = e / s``.
+    """
+    logits = hidden @ weight.t()
+    logits = logits.to(_compute_dtype(logits.dtype))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    log_normalizer = torch.empty_like(label_logits)
+    entropy = torch.empty_like(label_logits) if with_entropy else None
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        block = logits[rows]
+        row_max = block.amax(dim=-1, keepdim=True)
+        block.sub_(row_max)
+        exps = block.exp()
+        total = exps.sum(dim=-1, keepdim=True)
+        log_total = total.log().squeeze(-1)
+        log_normalizer[rows] = row_max.squeeze(-1) + log_total
+        if entropy is not None:
+            entropy[rows] = log_total - torch.linalg.vecdot(exps, block) / total.squeeze(-1)
+        if want_probs:
+            torch.div(exps, total, out=block)
+    return logits, label_logits - log_normalizer, entropy
 
 
 @torch.no_grad()
@@ -75,9 +100,11 @@ def chunked_logprobs(
     entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
     for start in range(0, n, chunk_size):
         sl = slice(start, min(start + chunk_size, n))
-        log_probs, logprobs[sl] = _chunk_log_softmax(hidden[sl], weight, labels[sl], temperature)
+        _, logprobs[sl], chunk_entropy = _chunk_softmax(
+            hidden[sl], weight, labels[sl], temperature, with_entropy, want_probs=False
+        )
         if entropy is not None:
-            entropy[sl] = _entropy_from_log_probs(log_probs)
+            entropy[sl] = chunk_entropy
     return logprobs, entropy
 
 
@@ -94,8 +121,9 @@ class _ChunkedObjective(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
             h = hidden[sl]
-            log_probs, token_logprobs = _chunk_log_softmax(h, weight, labels[sl], temperature)
-            entropy = _entropy_from_log_probs(log_probs) if with_entropy else None
+            probs, token_logprobs, entropy = _chunk_softmax(
+                h, weight, labels[sl], temperature, with_entropy, want_probs=need_h or need_w
+            )
             with torch.enable_grad():
                 lp = token_logprobs.detach().requires_grad_(True)
                 value, metrics = objective(lp, sl, entropy)
@@ -104,8 +132,8 @@ class _ChunkedObjective(torch.autograd.Function):
             accumulate_metrics(metrics_out, metrics)
             if grad_lp is None or not (need_h or need_w):
                 continue
-            # d log π(y) / d logits = onehot(y) − softmax; reuse the log-prob buffer for the logits' gradient.
-            grad_logits = log_probs.exp_().mul_(-grad_lp.unsqueeze(-1))
+            # d log π(y) / d logits = onehot(y) − softmax; reuse the probability buffer for the logits' gradient.
+            grad_logits = probs.mul_(-grad_lp.unsqueeze(-1))
             grad_logits.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_lp.unsqueeze(-1))
             if temperature != 1.0:
                 grad_logits.div_(temperature)
@@ -116,17 +144,22 @@ class _ChunkedObjective(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), h)
             elif need_w:
                 grad_weight.add_((grad_logits.t() @ h).to(grad_weight.dtype))
-        ctx.save_for_backward(grad_hidden if need_h else None, grad_weight.to(weight.dtype) if need_w else None)
+        # Kept as attributes, not saved tensors: backward hands them over without a copy (they are not inputs or
+        # outputs, so there is no version counter to check).
+        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_w else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight * grad_output.to(grad_weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        grads, ctx.grads = ctx.grads, None  # drop ctx's reference: autograd can then take the tensors as they are
+        if grads is None:
+            raise RuntimeError(
+                "the chunked loss computes its gradients during the forward and hands them over once: backward "
+                "through it a second time (retain_graph=True) is not supported; compute the loss again instead"
+            )
+        if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
+            grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
+        return *grads, None, None, None, None, None, None
 
 
 def chunked_objective(
