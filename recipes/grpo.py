@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field, fields
 
 import datasets
+import torch
 import transformers
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
@@ -45,6 +46,8 @@ class GRPOScriptArguments(ScriptArguments):
         max_operand (`int`, *optional*, defaults to `20`): operands of `builtin:arithmetic` are in `[0, max_operand]`.
         question_column / answer_column (`str`, *optional*): columns of a hub dataset.
         plot (`bool`, *optional*, defaults to `True`): write `metrics.jsonl` and `training_curves.png`.
+        cpu_threads (`int`, *optional*): torch threads of a single CPU process; defaults to every core the process
+            may run on (`accelerate launch` sets `OMP_NUM_THREADS=1` unless told otherwise).
     """
 
     dataset_name: str = field(default=ARITHMETIC, metadata={"help": "builtin:arithmetic or a hub dataset/path"})
@@ -54,6 +57,7 @@ class GRPOScriptArguments(ScriptArguments):
     question_column: str = field(default="question", metadata={"help": "question column of a hub dataset"})
     answer_column: str = field(default="answer", metadata={"help": "answer column of a hub dataset"})
     plot: bool = field(default=True, metadata={"help": "write metrics.jsonl and training_curves.png"})
+    cpu_threads: int | None = field(default=None, metadata={"help": "torch threads of a single CPU process"})
 
 
 def load_data(script_args: GRPOScriptArguments, seed: int) -> datasets.DatasetDict:
@@ -70,6 +74,9 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     # Stage 0: validate what can be validated before anything heavy is loaded
     reward_funcs = get_reward_funcs(script_args.reward_funcs)
     set_seed(training_args.seed)
+    state = PartialState()
+    if training_args.use_cpu and state.num_processes == 1:  # one process: use the machine (several: one core each)
+        torch.set_num_threads(script_args.cpu_threads or len(os.sched_getaffinity(0)))
 
     # Stage 1: logging
     logging.basicConfig(
@@ -92,7 +99,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     dataset = load_data(script_args, training_args.seed)
 
     # Stage 4: model and tokenizer (`builtin:` names are prepared offline and cached)
-    with PartialState().main_process_first():  # one process prepares (converts, caches) a built-in model
+    with state.main_process_first():  # one process prepares (converts, caches) a built-in model
         model_path = resolve_model(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     model = AutoModelForCausalLM.from_pretrained(
