@@ -63,7 +63,6 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name):
             policy_loss_cfg={"cliprange_low": 0.2, "cliprange_high": 0.28},
             use_kl_loss=True,
             kl_loss_type="k3",
-            chunk_size=512,
         )
         ctx = cfg.build(
             {

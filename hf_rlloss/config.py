@@ -115,8 +115,9 @@ class BaseRLLossConfig(BaseModel):
         loss_scale_factor (`float`, *optional*): the constant `C` of `seq-mean-token-sum-norm` (Dr. GRPO), typically
             the maximum completion length; required by that mode.
         ignore_idx (`int`, *optional*, defaults to `-100`): label of positions without loss.
-        chunk_size (`int`, *optional*, defaults to `512`): tokens per chunk when the loss is computed from hidden
-            states; peak extra memory is about `chunk_size × vocab × 8` bytes.
+        chunk_size (`int`, *optional*): tokens per chunk when the loss is computed from hidden states; peak extra
+            memory is about `chunk_size × vocab × 4` bytes. Defaults to a power of two keeping that near 128 MB
+            (512 tokens at a 49k vocabulary, 256 at 152k; see `default_chunk_size`).
         compute_entropy (`bool`, *optional*, defaults to `True`): log the full-vocabulary entropy when the loss is
             computed from hidden states.
         nonfinite_inputs (`str`, *optional*, defaults to `"error"`): what to do with NaN/±inf at valid tokens of
@@ -137,7 +138,7 @@ class BaseRLLossConfig(BaseModel):
     loss_agg_mode: AggMode | None = None
     loss_scale_factor: float | None = Field(None, gt=0)
     ignore_idx: int = -100
-    chunk_size: int = Field(512, gt=0)
+    chunk_size: int | None = Field(None, gt=0)
     compute_entropy: bool = True
     nonfinite_inputs: Literal["error", "mask"] = "error"
     rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)

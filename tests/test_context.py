@@ -358,3 +358,10 @@ def test_config_round_trips_through_yaml():
     again = GRPOLossConfig(**yaml.safe_load(text))
     assert again == cfg and again.to_dict() == cfg.to_dict()
     assert cfg.policy_loss_cfg["loss_type"] == "vanilla"  # XTuner-style access
+
+
+def test_default_chunk_size_keeps_the_block_near_128_mb():
+    from hf_rlloss.chunked_logprobs import default_chunk_size
+
+    assert [default_chunk_size(v) for v in (49152, 151936, 32000, 64, 10**7)] == [512, 256, 1024, 2048, 64]
+    assert GRPOLossConfig().chunk_size is None  # resolved from the head weight's vocabulary at call time
