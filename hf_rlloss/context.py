@@ -216,7 +216,8 @@ class BaseRLLossContext:
         """Per-token mean of ``statistic`` over its whole sequence (across SP shards); detached, same dtype."""
         sums = torch.zeros(self.loss_kwargs.num_sequences, dtype=torch.float64, device=statistic.device)
         sums.index_add_(0, seq_ids, statistic.detach().double())
-        all_reduce(sums, group=sp_group(self.sp_mesh)) if sp_size(self.sp_mesh) > 1 else None
+        if sp_size(self.sp_mesh) > 1:  # a sequence's shards live on the ranks of its SP group
+            all_reduce(sums, group=sp_group(self.sp_mesh))
         means = sums / self.seq_token_counts.double().clamp(min=1)
         return means[seq_ids].to(statistic.dtype)
 
