@@ -591,6 +591,16 @@ class RLLossGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs without gradient (old and reference)
 
+    def _project_logprobs(self, unwrapped: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`(N,)` log-probs of `labels` from `(N, H)` hidden states through the LM head, chunked, without gradient."""
+        weight = self.get_head_weight(unwrapped)
+        with maybe_gather_lm_head_ctx(weight):
+            h, w = self._head_inputs(hidden, weight)
+            logps, _ = chunked_logprobs(
+                h, w, labels, temperature=self._loss_temperature, chunk_size=self.rl_loss_config.chunk_size
+            )
+        return logps
+
     @torch.no_grad()
     def compute_per_token_logps(
         self,
@@ -613,17 +623,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         def forward(unwrapped, ids, mask):
             hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
             valid = mask[:, -logits_to_keep:].bool()
-            weight = self.get_head_weight(unwrapped)
-            with maybe_gather_lm_head_ctx(weight):
-                h, w = self._head_inputs(hidden[valid], weight)
-                logps, _ = chunked_logprobs(
-                    h,
-                    w,
-                    ids[:, -logits_to_keep:][valid],
-                    temperature=self._loss_temperature,
-                    chunk_size=self.rl_loss_config.chunk_size,
-                )
-            return logps, valid
+            return self._project_logprobs(unwrapped, hidden[valid], ids[:, -logits_to_keep:][valid]), valid
 
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
@@ -644,13 +644,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         def forward(unwrapped, packed, labels):
             hidden = self._sp_hidden_states(unwrapped, packed)
             valid = labels != ignore
-            weight = self.get_head_weight(unwrapped)
-            with maybe_gather_lm_head_ctx(weight):
-                h, w = self._head_inputs(hidden[valid], weight)
-                logps, _ = chunked_logprobs(
-                    h, w, labels[valid], temperature=self._loss_temperature, chunk_size=self.rl_loss_config.chunk_size
-                )
-            return logps, valid
+            return self._project_logprobs(unwrapped, hidden[valid], labels[valid]), valid
 
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
