@@ -77,6 +77,47 @@ def _logit_scale(text_config: Any) -> float:
 SP_WRAPPABLE_ATTENTION = ("sdpa", "eager", "ulysses_sdpa")
 
 
+def _is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are DeepSpeed ZeRO-3 shards (built under `deepspeed.zero.Init`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _zero3_sharded_copy(model: nn.Module) -> nn.Module:
+    """A copy of a ZeRO-3-partitioned in-memory `model` that stays partitioned on every rank.
+
+    `copy.deepcopy` would copy each rank's empty shard without DeepSpeed's bookkeeping (the copy then fails at its
+    first forward). Instead the architecture is rebuilt from `model.config` by transformers' `_from_config`, which
+    builds it under `deepspeed.zero.Init` when ZeRO-3 is enabled (as `from_pretrained` does, and so as TRL's
+    reference is built), and the weights are copied one parameter at a time inside `GatheredParameters`: at most one
+    full parameter exists at a time, and each rank keeps only its shard.
+    """
+    import deepspeed
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "rl_loss.use_kl_loss: the in-memory policy is partitioned by deepspeed.zero.Init, but transformers' "
+            "DeepSpeed ZeRO-3 config is not active (create the RLLossGRPOConfig before the model, with an accelerate "
+            "config that has zero_stage: 3), so its reference copy cannot be built sharded: pass ref_model=<path>"
+        )
+    dtype = next(model.parameters()).dtype
+    copied = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+    sources = dict(model.named_parameters())
+    if sources.keys() != dict(copied.named_parameters()).keys():
+        raise ValueError(f"cannot copy the ZeRO-3 partitioned {type(model).__name__}: it differs from its config's")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in copied.named_parameters():
+        # modifier_rank=0: on exit, rank 0's full copy is partitioned again over the ranks; the source is unchanged.
+        gather_source = deepspeed.zero.GatheredParameters([sources[name]])
+        with gather_source, deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if rank == 0:
+                param.data.copy_(sources[name].data)
+    for name, buffer in model.named_buffers():  # buffers are not partitioned
+        copied.get_buffer(name).data.copy_(buffer.data)
+    copied.set_attn_implementation(model.config._attn_implementation)
+    return copied
+
+
 class PackedRows(NamedTuple):
     """Rows of a padded prompt/completion batch packed into one row, for sequence parallelism.
 
@@ -190,9 +231,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
     condition), reference log-probs whenever `rl_loss.use_kl_loss`, both without gradient from the backbone's hidden
     states with `chunked_logprobs`. The reference is `ref_model` if given (a model or a path), else the policy with
     its PEFT adapter disabled (or TRL's frozen `"ref"` adapter for a pre-trained `PeftModel`), else the model loaded
-    from the path the policy was given as, else a deep copy of the in-memory policy taken before training. Rollout
-    log-probs (`sampling_per_token_logps`, from vLLM or a `rollout_func`) are passed as `rollout_logprobs` and TRL's
-    vLLM importance-sampling ratio as `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
+    from the path the policy was given as, else a copy of the in-memory policy taken before training (under ZeRO-3
+    a sharded copy, see `_resolve_reference`). Rollout log-probs (`sampling_per_token_logps`, from vLLM or a
+    `rollout_func`) are passed as `rollout_logprobs` and TRL's vLLM importance-sampling ratio as
+    `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
     trainer records the log-probs of the sampled tokens under the processed sampling distribution
     (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
     log-probs are then always computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches`.
@@ -330,7 +372,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _resolve_reference(model, ref_model, peft_config, loss_cfg: BaseRLLossConfig) -> Any:
-        """Where the reference log-probs will come from, decided before TRL touches the policy."""
+        """Where the reference log-probs will come from, decided before TRL touches the policy.
+
+        An in-memory policy (no path) is copied: with `copy.deepcopy`, or, when it is partitioned by DeepSpeed ZeRO-3's
+        `zero.Init` (e.g. loaded by `from_pretrained` under an accelerate config with `zero3_init_flag: true`), by
+        rebuilding it from its config under `zero.Init` and copying the weights one gathered parameter at a time
+        (`_zero3_sharded_copy`), so that the reference stays sharded per rank. `_build_reference` then wraps it as
+        TRL does its own reference (`prepare_deepspeed`: a ZeRO-3 inference engine under ZeRO-3, stage 0 otherwise).
+        """
         if not loss_cfg.use_kl_loss:
             if ref_model is not None:
                 raise ValueError("ref_model was given but rl_loss.use_kl_loss is false: nothing would use it")
@@ -354,6 +403,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "rl_loss.use_kl_loss needs a reference model, and a quantized in-memory policy cannot be copied: pass "
                 "ref_model=... (a model or a path), or a peft_config (the reference is then the base model)"
             )
+        if _is_zero3_partitioned(model):
+            return _zero3_sharded_copy(model)
         return copy.deepcopy(model)  # the policy as given, before any training
 
     def _build_reference(self, source: Any) -> nn.Module | None:
