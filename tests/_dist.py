@@ -8,6 +8,7 @@ import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _launch import kill_tree
 
 
 def _entry(rank, world_size, init_file, fn, args):
@@ -33,5 +34,5 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
                 for process in context.processes:
-                    process.kill()
+                    kill_tree(process.pid)  # by PID, with anything it started
                 raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)")

@@ -2,12 +2,11 @@
 under `accelerate launch` with 2 processes."""
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+import _launch
 import pytest
 import yaml
 
@@ -80,14 +79,12 @@ def test_missing_dataset_column_fails_before_the_model(no_model_loading, tmp_pat
 @pytest.mark.parametrize("config", ["config_smoke.yaml", "config_smoke_sp.yaml"], ids=["ddp", "sp2"])
 def test_smoke_recipe_with_two_processes(tmp_path, config):
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_RLLOSS_CACHE": str(tmp_path / "cache")}
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(ROOT / "accelerate_configs/multi_process_cpu.yaml"),
-        str(ROOT / "recipes/grpo.py"), "--config", str(ROOT / "recipes/tiny/arithmetic" / config),
-        "--output_dir", str(out),
-    ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd = _launch.accelerate_launch(
+        ROOT / "accelerate_configs/multi_process_cpu.yaml",
+        ROOT / "recipes/grpo.py",
+        *["--config", str(ROOT / "recipes/tiny/arithmetic" / config), "--output_dir", str(out)],
+    )
+    result = _launch.run(cmd, timeout=480, cwd=ROOT, env={"HF_RLLOSS_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr[-4000:]
     for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "metrics.jsonl"):
         assert (out / name).exists(), name

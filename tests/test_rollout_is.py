@@ -9,12 +9,12 @@ from __future__ import annotations
 import faulthandler
 import math
 import os
-import socket
 import statistics
 import time
 
 import pytest
 import torch
+from _launch import free_port, kill_tree
 from pydantic import ValidationError
 
 from hf_rlloss.metrics import accumulate_metrics
@@ -555,17 +555,11 @@ def _dist_worker(rank, world_size, port, out_dir):
         faulthandler.cancel_dump_traceback_later()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_processes_data_and_sequence_parallel(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_dist_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
@@ -574,7 +568,7 @@ def test_two_processes_data_and_sequence_parallel(tmp_path, monkeypatch):
         p.join(max(deadline - time.monotonic(), 0))
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
-        p.kill()
+        kill_tree(p.pid)
         p.join()
     assert not hung, "distributed workers hung (killed after 120 s)"
     assert [p.exitcode for p in procs] == [0, 0]

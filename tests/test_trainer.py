@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 
+import _launch
 import pytest
 import torch
 from _trainer_utils import (
@@ -173,45 +169,21 @@ def test_gradient_accumulation_invariance(tok, tmp_path):
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run_with_timeout(cmd, env, cwd, timeout: float) -> tuple[int, str]:
-    """Run ``cmd`` in its own process group; on timeout kill the whole group (torchrun's workers too) and fail."""
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish within {timeout:.0f} s (hang?)")
-    return proc.returncode, stderr
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     """2 ranks × 2 sequences × GA 2 == 1 rank × 4 sequences × GA 2, off-policy second step (num_iterations=2)."""
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun not available")
     script = os.path.join(HERE, "dist_trainer_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     common = ["--steps", "2", "--grad-accum", "2", "--num-iterations", "2"]
-    port = str(_free_port())
     runs = {
-        "one": [sys.executable, script, "--per-device-batch-size", "4"],
-        "two": ["torchrun", "--nproc_per_node", "2", "--master_port", port, script, "--per-device-batch-size", "2"],
+        "one": [*_launch.torchrun(1), script, "--per-device-batch-size", "4"],
+        "two": [*_launch.torchrun(2), script, "--per-device-batch-size", "2"],
     }
     results = {}
     for name, cmd in runs.items():
         out = tmp_path / f"{name}.pt"
-        returncode, stderr = _run_with_timeout([*cmd, *common, "--out", str(out)], env, tmp_path, timeout=180)
-        assert returncode == 0, stderr[-4000:]
+        result = _launch.run([*cmd, *common, "--out", str(out)], timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
         results[name] = torch.load(out)
     one, two = results["one"], results["two"]
     assert one["world_size"] == 1 and two["world_size"] == 2

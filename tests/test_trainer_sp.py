@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 
+import _launch
 import pytest
 import torch
 
@@ -24,7 +21,7 @@ from hf_rlloss.trainer import RLLossGRPOConfig, pack_rows
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist_trainer_sp_script.py")
-TIMEOUT = 240  # seconds per launch; 4 processes on 2 cores take about 30 s
+TIMEOUT = 480  # seconds per launch; 4 processes on 2 cores take about 30 s when the machine is idle
 
 # name -> (processes, sp_size, per_device_train_batch_size, per_device_eval_batch_size): one global batch of 8
 # sequences per optimizer step (2 micro-batches of 4, per SP group or process) and one eval batch of 8 completions.
@@ -35,20 +32,11 @@ RUNS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(name: str, out_dir) -> dict:
+def _launch_run(name: str, out_dir) -> dict:
     procs, sp, per_device, per_eval = RUNS[name]
     out = out_dir / f"{name}.pt"
-    launcher = [sys.executable] if procs == 1 else ["torchrun", "--nproc_per_node", str(procs)]
-    if procs > 1:
-        launcher += ["--master_port", str(_free_port())]
     cmd = [
-        *launcher,
+        *_launch.torchrun(procs),
         SCRIPT,
         "--out",
         str(out),
@@ -61,30 +49,19 @@ def _launch(name: str, out_dir) -> dict:
     ]
     if name == "sp2":
         cmd.append("--check-errors")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=out_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
-        proc.communicate()
-        pytest.fail(f"{name}: {' '.join(cmd[:4])} ... did not finish within {TIMEOUT} s (hang?)")
-    assert proc.returncode == 0, stderr[-6000:]
+    result = _launch.run(cmd, timeout=TIMEOUT, cwd=out_dir)
+    assert result.returncode == 0, result.stderr[-6000:]
     return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun not available")
     out_dir = tmp_path_factory.mktemp("sp_runs")
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
         if name not in cache:
-            cache[name] = _launch(name, out_dir)
+            cache[name] = _launch_run(name, out_dir)
         return cache[name]
 
     return get
