@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -168,6 +170,38 @@ def format_validation_error(err: ValidationError, prefix: str = "rl_loss") -> st
     return "\n".join(lines)
 
 
+def precision_mismatch_warning(
+    user_bf16: bool | None, fp16: bool, resolved: str, accelerate_mixed_precision: str | None
+) -> str | None:
+    """The warning to give when the training arguments' precision overrides the accelerate config's, else None.
+
+    Args:
+        user_bf16 (`bool` or `None`):
+            `bf16` as the user set it (`None`: left unset, which TRL's `GRPOConfig` turns into `not fp16`).
+        fp16 (`bool`):
+            The `fp16` argument.
+        resolved (`str`):
+            The precision the training arguments resolved to (`TrainingArguments.mixed_precision`).
+        accelerate_mixed_precision (`str` or `None`):
+            The accelerate config's `mixed_precision` (`accelerate launch` exports it as
+            `ACCELERATE_MIXED_PRECISION`); `None` when not launched with one, and then there is nothing to disagree.
+    """
+    if fp16:
+        setting, asked = "fp16=True", "fp16"
+    elif user_bf16 is None:
+        setting, asked = "bf16=True (TRL's GRPOConfig default when bf16 is not set)", "bf16"
+    else:
+        setting, asked = f"bf16={user_bf16}", "bf16" if user_bf16 else "no"
+    if accelerate_mixed_precision is None or accelerate_mixed_precision == asked:
+        return None
+    return (
+        f"precision: the training arguments' {setting} and the accelerate config's "
+        f"mixed_precision={accelerate_mixed_precision!r} disagree; training runs with mixed_precision={resolved!r} "
+        "(under DeepSpeed the weights themselves are cast, under DDP/FSDP the forward is autocast). Set bf16/fp16 "
+        "explicitly (bf16: false for fp32) and the accelerate config's mixed_precision to the same precision."
+    )
+
+
 @dataclass
 class RLLossGRPOConfig(GRPOConfig):
     r"""`GRPOConfig` for `RLLossGRPOTrainer`: the loss is the hf_rlloss loss layer, configured by `rl_loss`.
@@ -191,6 +225,9 @@ class RLLossGRPOConfig(GRPOConfig):
 
     The validated loss configuration is `config.rl_loss_config` (not a dataclass field: it is rebuilt from `rl_loss`
     and the TRL options on every construction, so saved and re-parsed configs give the same loss).
+    Precision: as in TRL, `bf16` defaults to `True` unless `fp16` is set, and it overrides the accelerate config's
+    `mixed_precision` (DDP then autocasts to bf16, while DeepSpeed casts the weights themselves to bf16); when the two
+    disagree a warning names both (`precision_mismatch_warning`). Set `bf16` explicitly (`bf16: false` for fp32).
     Optimizer steps must not straddle two generations: `steps_per_generation × num_iterations` must be a multiple of
     `gradient_accumulation_steps`, because the loss of a step is normalized over all of its micro-batches at once.
     """
@@ -235,7 +272,13 @@ class RLLossGRPOConfig(GRPOConfig):
                 "parallelism the generation batch is per_device_train_batch_size × (processes / sp_size) × "
                 "steps_per_generation)"
             )
+        user_bf16 = self.bf16
         super().__post_init__()
+        mismatch = precision_mismatch_warning(
+            user_bf16, self.fp16, self.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION")
+        )
+        if mismatch:
+            warnings.warn(mismatch, UserWarning, stacklevel=3)
         if isinstance(self.rl_loss, str):
             try:
                 self.rl_loss = json.loads(self.rl_loss)
