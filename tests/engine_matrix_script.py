@@ -161,10 +161,17 @@ class RecordingTrainer(RLLossGRPOTrainer):
     gathered full weight, while the parameter itself stays a shard)."""
 
     head_shapes: set[tuple[int, ...]] = set()
+    head_numel_after_step: list[int] = []  # the head parameter's local numel after each micro-batch's backward
 
     def _head_inputs(self, hidden, weight):
         self.head_shapes.add(tuple(weight.shape))
         return super()._head_inputs(hidden, weight)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        lm = self._causal_lm(self.accelerator.unwrap_model(self.model))
+        self.head_numel_after_step.append(lm.get_output_embeddings().weight.numel())
+        return loss
 
 
 def head_info(trainer) -> dict:
@@ -173,6 +180,7 @@ def head_info(trainer) -> dict:
     head = lm.get_output_embeddings().weight
     return {
         "seen_in_loss": sorted(RecordingTrainer.head_shapes),
+        "local_numel_after_steps": sorted(set(RecordingTrainer.head_numel_after_step)),
         "local_numel_after": head.numel(),
         "full_shape": tuple(getattr(head, "ds_shape", head.shape)),
         "tied": head is lm.get_input_embeddings().weight,
@@ -219,7 +227,7 @@ def run_case(cli, tok, case: str) -> dict | None:
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     torch.manual_seed(1)  # the LoRA init: the same whatever the engine consumed before
-    RecordingTrainer.head_shapes = set()
+    RecordingTrainer.head_shapes, RecordingTrainer.head_numel_after_step = set(), []
     start = time.perf_counter()
     trainer = RecordingTrainer(
         model,
@@ -236,6 +244,7 @@ def run_case(cli, tok, case: str) -> dict | None:
     save_dir = os.path.join(cli.save_dir, case) if cli.save_dir else None
     if save_dir:
         trainer.save_model(save_dir)
+    head = head_info(trainer)  # before full_params, whose gather re-partitions every parameter
     params = full_params(trainer.accelerator.unwrap_model(trainer.model))  # collective under ZeRO-3/FSDP2
     ranks = _gather(rank_info(trainer))
     peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -245,7 +254,7 @@ def run_case(cli, tok, case: str) -> dict | None:
     steps = [h for h in trainer.state.log_history if "loss" in h]
     return {
         "engine": engine_info(trainer),
-        "head": head_info(trainer),
+        "head": head,
         "world_size": trainer.accelerator.num_processes,
         "sp": sp,
         "peft": peft,
@@ -254,6 +263,7 @@ def run_case(cli, tok, case: str) -> dict | None:
         "steps": [h["step"] for h in steps],
         "history": trainer.state.log_history,
         "global_step": trainer.state.global_step,
+        "micro_steps_trained": len(RecordingTrainer.head_numel_after_step),  # in this run (a resumed run: fewer)
         "params": params,
         "moved": max((params[k] - initial[k]).abs().max().item() for k in params),
         "ranks": ranks,
