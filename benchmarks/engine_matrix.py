@@ -9,8 +9,9 @@ sp_size: the largest difference of a final parameter, and of a per-step loss.
     python benchmarks/engine_matrix.py                      # the default: 42M-parameter model (hidden 768, 8 layers)
     python benchmarks/engine_matrix.py --hidden-size 32 --layers 2 --optim sgd   # the tests' tiny model
 
-Peak memory on CPU is the RSS high-water mark of each process (`ru_maxrss`), which includes the Python, torch,
-transformers and DeepSpeed libraries (`start_rss_mb`: rank 0's RSS after the imports, before any model).
+Peak memory on CPU is the RSS high-water mark of each process: over the whole run (`ru_maxrss`, engine set-up
+included), and over the training steps (`VmHWM` reset once the engine has run its first micro-batch). Both include
+the Python, torch, transformers and DeepSpeed libraries (`start_rss_mb`: rank 0's RSS after the imports).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
                     sp_groups=[r["sp_group_ranks"] for r in record["ranks"]],
                     local_ranks=[r["local_process_index"] for r in record["ranks"]],
                     peak_rss_mb=[round(x) for x in record["peak_rss_mb"]],
+                    train_peak_rss_mb=[round(x) for x in record["train_peak_rss_mb"]],
                     start_rss_mb=round(record["start_rss_mb"]),
                     train_s=round(record["wall_s"], 1),
                     launch_s=round(record["launch_s"], 1),
@@ -122,18 +124,19 @@ def main() -> None:
     with open(cli.out, "w") as f:
         json.dump({"model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)
     print("| config | sp | ran | engine (policy / reference) | max param diff vs DDP | max loss diff | peak RSS per "
-          "rank (MiB) | train s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "rank, whole run (MiB) | peak RSS per rank, training steps (MiB) | train s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if not row["ran"]:
-            print(f"| {row['config']} | {row['sp']} | no | | | | | |")
+            print(f"| {row['config']} | {row['sp']} | no | | | | | | |")
             continue
         diff = row.get("max_param_diff_vs_ddp")
         loss = row.get("max_loss_diff_vs_ddp")
         print(
             f"| {row['config']} | {row['sp']} | yes | {row['engine']} / {row['ref']} | "
             f"{'reference' if diff is None else f'{diff:.1e}'} | {'' if loss is None else f'{loss:.1e}'} | "
-            f"{', '.join(map(str, row['peak_rss_mb']))} | {row['train_s']} |"
+            f"{', '.join(map(str, row['peak_rss_mb']))} | {', '.join(map(str, row['train_peak_rss_mb']))} | "
+            f"{row['train_s']} |"
         )
 
 
