@@ -31,11 +31,34 @@ import _launch  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
 
+# The shipped zero3.yaml's settings plus DeepSpeed's gathered-parameter cache turned off; "auto" is filled by
+# transformers from the training arguments.
+ZERO3_LOW_MEMORY = {
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_max_live_parameters": 1e6,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": "auto",
+        "reduce_bucket_size": "auto",
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
 # name -> (accelerate config, processes, DDP reference, extra script arguments)
 ENGINES = {
     "ddp": ("multi_process_cpu", 2, None, []),
     "zero2": ("zero2", 2, "ddp", []),
     "zero3": ("zero3", 2, "ddp", ["--zero3-init"]),
+    # ZeRO-3 with DeepSpeed's parameter cache off (a DeepSpeed JSON, see ZERO3_LOW_MEMORY): what sharding saves on a
+    # model below DeepSpeed's default 1e9-parameter live/reuse thresholds, which otherwise keep it all gathered
+    "zero3_lowmem": ("zero3", 2, "ddp", ["--zero3-init"]),
     "ddp4": ("multi_process_cpu", 4, None, []),
     "two_node": ("two_node_cpu", 4, "ddp4", []),
 }
@@ -46,6 +69,9 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
     out_dir = work / f"{name}_sp{sp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "out.pt"
+    if cli.reuse and out.exists():
+        record = torch.load(out, weights_only=False)[f"sp{sp}"]
+        return {**record, "ran": True, "launch_s": float("nan")}
     args = [
         *extra,
         *["--cases", f"sp{sp}", "--out", str(out), "--steps", str(cli.steps)],
@@ -57,7 +83,12 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
         config = ROOT / "accelerate_configs" / "two_node_cpu.yaml"
         results = _launch.run_all(_launch.accelerate_launch_machines(config, SCRIPT, *args), cli.timeout, out_dir)
     else:
-        config = _launch.cpu_accelerate_config(config_name, out_dir, processes)
+        overrides = {}
+        if name == "zero3_lowmem":
+            ds_config = out_dir / "ds_zero3_low_memory.json"
+            ds_config.write_text(json.dumps(ZERO3_LOW_MEMORY, indent=1))
+            overrides["deepspeed_config"] = {"deepspeed_config_file": str(ds_config), "zero3_init_flag": True}
+        config = _launch.cpu_accelerate_config(config_name, out_dir, processes, **overrides)
         results = [_launch.run(_launch.accelerate_launch(config, SCRIPT, *args), cli.timeout, out_dir)]
     launch_s = time.perf_counter() - start
     failed = [r.stderr[-3000:] for r in results if r.returncode != 0]
@@ -78,6 +109,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--reuse", action="store_true", help="read the cells already in --work-dir, launch the rest")
     parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
     cli = parser.parse_args()
