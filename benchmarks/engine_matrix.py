@@ -89,6 +89,10 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
             ds_config.write_text(json.dumps(ZERO3_LOW_MEMORY, indent=1))
             overrides["deepspeed_config"] = {"deepspeed_config_file": str(ds_config), "zero3_init_flag": True}
         config = _launch.cpu_accelerate_config(config_name, out_dir, processes, **overrides)
+        if overrides:  # with a DeepSpeed JSON, precision comes from it: accelerate refuses mixed_precision as well
+            config.write_text(
+                "\n".join(line for line in config.read_text().splitlines() if "mixed_precision" not in line)
+            )
         results = [_launch.run(_launch.accelerate_launch(config, SCRIPT, *args), cli.timeout, out_dir)]
     launch_s = time.perf_counter() - start
     failed = [r.stderr[-3000:] for r in results if r.returncode != 0]
