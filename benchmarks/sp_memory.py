@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -147,13 +145,10 @@ def worker(cli) -> None:
             json.dump(results, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(cli) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import _launch  # the tests' launcher: free port, timeout, every worker killed by PID
+
     model_args = [
         "--hidden", str(cli.hidden), "--layers", str(cli.layers), "--heads", str(cli.heads),
         "--kv-heads", str(cli.kv_heads), "--vocab", str(cli.vocab), "--intermediate", str(cli.intermediate),
@@ -168,9 +163,7 @@ def run(cli) -> None:
     for tokens in cli.tokens:
         for sp in cli.sp:
             out = os.path.join(cli.results_dir, f".sp_memory_{tokens}_{sp}.json")
-            launcher = [sys.executable]
-            if sp > 1:
-                launcher = ["torchrun", "--nproc_per_node", str(sp), "--master_port", str(_free_port())]
+            launcher = _launch.torchrun(sp)
             cmd = [*launcher, __file__, "--worker", "--tokens", str(tokens), "--out", out, *model_args]
             env = {
                 **os.environ,
@@ -178,7 +171,7 @@ def run(cli) -> None:
                 "MALLOC_MMAP_THRESHOLD_": "65536",  # freed activations go back to the OS
             }
             start = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cli.timeout)
+            proc = _launch.run(cmd, cli.timeout, env=env)  # on timeout: every worker killed by PID
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"tokens={tokens} sp={sp} failed")
