@@ -17,6 +17,7 @@ import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from datasets import IterableDataset
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -582,9 +583,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return hidden, weight
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
-        """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper."""
+        """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper.
+
+        An FSDP2 model is its own unwrapped module (`fully_shard` changes its class in place), yet it too must be
+        called through its forward: the root module's hooks unshard the parameters it owns directly (embeddings,
+        final norm, LM head, tied or not) before ``fn`` and reduce-scatter their gradients in the backward.
+        """
         unwrapped = self.accelerator.unwrap_model(model)
-        if unwrapped is model:
+        if unwrapped is model and not isinstance(model, FSDPModule):
             return fn(unwrapped, *args)
         return self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
 
