@@ -903,3 +903,24 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
         for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():
             self._metrics[mode][key].append(float(value))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saving
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, writing a consolidated model under FSDP whatever `fsdp_state_dict_type` is.
+
+        Under FSDP with `SHARDED_STATE_DICT` (what `accelerate_configs/fsdp2.yaml` ships), transformers' `save_model`
+        writes no weights at all (the sharded model is written next to the optimizer state by `_save_checkpoint`, for
+        resuming), so a final `save_model()` or `push_to_hub()` would leave a folder `from_pretrained` cannot load.
+        Here it runs as with `FULL_STATE_DICT`: every rank joins one gather of the full state dict (offloaded to CPU)
+        and the main process writes a normal HF folder (`model.safetensors`, or the adapter under PEFT). Checkpoints
+        hold both, and resuming still reads the sharded files.
+        """
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if not self.is_fsdp_enabled or plugin is None:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.fsdp import StateDictType
+
+        with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
+            return super().save_model(output_dir, _internal_call)

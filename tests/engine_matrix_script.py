@@ -1,0 +1,223 @@
+"""Train the tiny model a few steps under whatever engine `accelerate launch --config_file ...` configures, and dump
+what the engine-matrix tests and the benchmark table need (rank 0 writes `--out`, a `torch.save`d dict):
+
+* ``engine``: Accelerate's distributed type, the wrapper type of the trained model, DeepSpeed's ZeRO stage (or None),
+  whether the parameters are FSDP2 DTensors, the reference model's wrapper type and ZeRO stage;
+* ``losses``: the per-step ``loss`` (the step's global loss) and ``loss/total`` logged by the trainer;
+* ``params``: the final trainable parameters, full (gathered from ZeRO-3 shards / FSDP2 DTensors), float32, on CPU;
+* ``ranks``: per process: global rank (torch.distributed), Accelerate's process index and local process index,
+  ``LOCAL_RANK``/``RANK``/``GROUP_RANK`` from the launcher, the global ranks of its SP group (None without SP);
+* ``peak_rss_mb``: per process, the RSS high-water mark of the process (``ru_maxrss``) at the end, in MiB;
+* ``wall_s``: seconds from the trainer's construction to the end of ``train()`` (rank 0);
+* ``saved``: when ``--save-dir`` is given, the files ``save_model`` wrote there.
+
+The run is deterministic and the same under every engine with the same number of processes and ``--sp``: fixed
+completions (a function of the prompt only) with synthetic rollout log-probs, so rollout IS runs, KL to the reference
+(``use_kl_loss``), float32 (``bf16=False``: TRL's ``GRPOConfig`` would turn bf16 on otherwise), SGD. The model is
+built in memory (no path): with ``--zero3-init`` (ZeRO-3 configs) it is built the way ``from_pretrained`` builds it
+under ``zero3_init_flag``, i.e. partitioned by ``deepspeed.zero.Init`` before the trainer sees it, and its weights
+are then set to the plain model's, so the starting point equals the other engines'. ``--resume-from`` resumes from a
+checkpoint folder of an earlier run (``--save-steps`` writes them).
+
+Reused by the FSDP2 tests: keep it engine-agnostic (anything engine-specific is a small branch in `engine_info` or
+`full_params`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _trainer_utils import (  # noqa: E402
+    BASE_ARGS,
+    FixedCompletions,
+    make_dataset,
+    make_model,
+    make_tokenizer,
+    reward_digit,
+    reward_length,
+)
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
+
+RL_LOSS = {
+    "use_kl_loss": True,
+    "kl_loss_type": "k3",
+    "kl_loss_coef": 0.1,
+    "rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0},
+}
+
+
+class FixedWithLogprobs(FixedCompletions):
+    """Fixed completions plus deterministic "rollout engine" log-probs near the tiny model's (about log 1/259)."""
+
+    def __call__(self, *args, **kwargs):
+        completions, _ = super().__call__(*args, **kwargs)
+        logprobs = [[-5.56 + 0.25 * math.sin(t + 3 * j) for j, t in enumerate(c)] for c in completions]
+        return completions, logprobs
+
+
+def _zero3_model(plain: torch.nn.Module) -> torch.nn.Module:
+    """`plain`'s architecture built under `deepspeed.zero.Init` (what `from_pretrained` does under ZeRO-3 with
+    `zero3_init_flag`), with `plain`'s weights copied in shard by shard."""
+    import deepspeed
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    assert is_deepspeed_zero3_enabled(), "--zero3-init needs a ZeRO-3 config with zero3_init_flag: true"
+    model = type(plain)._from_config(plain.config)  # transformers builds it under zero.Init here
+    assert all(hasattr(p, "ds_id") for p in model.parameters()), "the model was not partitioned by zero.Init"
+    model.generation_config = plain.generation_config
+    sources = dict(plain.named_parameters())
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                param.data.copy_(sources[name].data)
+    return model
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters, full (ZeRO-3 shards gathered, FSDP2 DTensors made whole), float32 on CPU."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if any(hasattr(p, "ds_id") for _, p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().float().cpu().clone() for n, p in params}
+    out = {}
+    for name, param in params:
+        value = param.detach()
+        if hasattr(value, "full_tensor"):  # FSDP2 DTensor (collective)
+            value = value.full_tensor()
+        out[name] = value.float().cpu().clone()
+    return out
+
+
+def engine_info(trainer) -> dict:
+    """What actually ran: the wrapper types and the ZeRO stage of the policy and of the reference."""
+
+    def zero_stage(module):
+        stage = getattr(module, "zero_optimization_stage", None)
+        return stage() if callable(stage) else None
+
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "model": type(trainer.model).__name__,
+        "zero_stage": zero_stage(trainer.model_wrapped),
+        "dtensor_params": any(hasattr(p, "full_tensor") for p in unwrapped.parameters()),
+        "param_dtype": str(next(unwrapped.parameters()).dtype),
+        "ref_wrapper": None if trainer.ref_model is None else type(trainer.ref_model).__name__,
+        "ref_zero_stage": None if trainer.ref_model is None else zero_stage(trainer.ref_model),
+        "mixed_precision": str(trainer.accelerator.mixed_precision),
+    }
+
+
+def rank_info(trainer) -> dict:
+    sp_ranks = None
+    if trainer.sp_mesh is not None:
+        sp_ranks = dist.get_process_group_ranks(trainer.sp_mesh.get_group())
+    return {
+        "global_rank": dist.get_rank() if dist.is_initialized() else 0,
+        "process_index": trainer.accelerator.process_index,
+        "local_process_index": trainer.accelerator.local_process_index,
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")},
+        "sp_group_ranks": sp_ranks,
+    }
+
+
+def _gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sp", type=int, default=1)
+    parser.add_argument("--per-device-batch-size", type=int, default=4, help="sequences per micro-batch per replica")
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--num-iterations", type=int, default=2, help="2: every other step is off-policy")
+    parser.add_argument("--peft", action="store_true", help="train a LoRA adapter (the reference: the base model)")
+    parser.add_argument("--zero3-init", action="store_true", help="in-memory model partitioned by zero.Init")
+    parser.add_argument("--rl-loss", default=json.dumps(RL_LOSS))
+    parser.add_argument("--save-dir", default=None, help="save_model() there at the end")
+    parser.add_argument("--save-steps", type=int, default=0, help="write checkpoints every N steps")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume from")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    save = {"save_strategy": "steps", "save_steps": cli.save_steps} if cli.save_steps else {}
+    args = RLLossGRPOConfig(
+        output_dir=os.path.join(os.path.dirname(os.path.abspath(cli.out)), "run"),
+        **{**BASE_ARGS, **save, "num_generations": 2, "per_device_train_batch_size": cli.per_device_batch_size, "learning_rate": 0.05},
+        gradient_accumulation_steps=cli.grad_accum,
+        max_steps=cli.steps,
+        num_iterations=cli.num_iterations,
+        optim="sgd",
+        rl_loss=cli.rl_loss,
+        sp_size=cli.sp,
+    )
+    model = make_model(tok)
+    if cli.sp > 1:
+        model.set_attn_implementation("sdpa")
+    if cli.zero3_init:
+        model = _zero3_model(model)
+    peft_config = None
+    if cli.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    start = time.perf_counter()
+    trainer = RLLossGRPOTrainer(
+        model,
+        [reward_length, reward_digit],
+        args=args,
+        train_dataset=make_dataset(),
+        processing_class=tok,
+        peft_config=peft_config,
+    )
+    trainer._generate_single_turn = FixedWithLogprobs(tok, trainer.max_completion_length)
+    trainer.train(resume_from_checkpoint=cli.resume_from)
+    wall = time.perf_counter() - start
+    if cli.save_dir:
+        trainer.save_model(cli.save_dir)
+    params = full_params(trainer.accelerator.unwrap_model(trainer.model))  # collective under ZeRO-3/FSDP2
+    ranks = _gather(rank_info(trainer))
+    peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if trainer.accelerator.is_main_process:
+        steps = [h for h in trainer.state.log_history if "loss" in h]
+        result = {
+            "engine": engine_info(trainer),
+            "world_size": trainer.accelerator.num_processes,
+            "sp": cli.sp,
+            "peft": cli.peft,
+            "losses": [h["loss"] for h in steps],
+            "loss_total": [h.get("loss/total") for h in steps],
+            "history": trainer.state.log_history,
+            "global_step": trainer.state.global_step,
+            "params": params,
+            "ranks": ranks,
+            "peak_rss_mb": peak,
+            "wall_s": wall,
+            "saved": sorted(os.listdir(cli.save_dir)) if cli.save_dir else None,
+        }
+        torch.save(result, cli.out)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
