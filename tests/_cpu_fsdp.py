@@ -44,6 +44,7 @@ def enable_cpu_fsdp() -> None:
             fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = fsdp_plugin
         PartialState._shared_state["distributed_type"] = self.distributed_type
+        print(f"cpu FSDP shim: rank {self.process_index} runs FSDP{fsdp_plugin.fsdp_version} on CPU", file=sys.stderr)
 
     patched._cpu_fsdp_shim = True
     AcceleratorState.__init__ = patched

@@ -1,5 +1,7 @@
 """Train the tiny model a few steps under whatever engine `accelerate launch --config_file ...` configures, and dump
-what the engine-matrix tests and the benchmark table need (rank 0 writes `--out`, a `torch.save`d dict):
+what the engine-matrix tests and the benchmark table need. Rank 0 writes `--out`, a `torch.save`d dict
+``{case: record}`` (cases ``sp1``, ``sp2``, ``sp1-peft``, ...: run one after the other in the same processes, which
+saves the start-up of a launch per case); each record has:
 
 * ``engine``: Accelerate's distributed type, the wrapper type of the trained model, DeepSpeed's ZeRO stage (or None),
   whether the parameters are FSDP2 DTensors, the reference model's wrapper type and ZeRO stage;
@@ -9,7 +11,9 @@ what the engine-matrix tests and the benchmark table need (rank 0 writes `--out`
   ``LOCAL_RANK``/``RANK``/``GROUP_RANK`` from the launcher, the global ranks of its SP group (None without SP);
 * ``peak_rss_mb``: per process, the RSS high-water mark of the process (``ru_maxrss``) at the end, in MiB;
 * ``wall_s``: seconds from the trainer's construction to the end of ``train()`` (rank 0);
-* ``saved``: when ``--save-dir`` is given, the files ``save_model`` wrote there.
+* ``head``: the LM-head weight shapes the chunked passes received, its local numel after training, tied or not;
+* ``moved``: the largest change of a parameter during training (the test is not trivial);
+* ``saved``: when ``--save-dir`` is given, the files ``save_model`` wrote to ``<save-dir>/<case>``.
 
 The run is deterministic and the same under every engine with the same number of processes and ``--sp``: fixed
 completions (a function of the prompt only) with synthetic rollout log-probs, so rollout IS runs, KL to the reference
@@ -143,46 +147,72 @@ def _gather(obj) -> list:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--sp", type=int, default=1)
-    parser.add_argument("--per-device-batch-size", type=int, default=4, help="sequences per micro-batch per replica")
-    parser.add_argument("--grad-accum", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--num-iterations", type=int, default=2, help="2: every other step is off-policy")
-    parser.add_argument("--peft", action="store_true", help="train a LoRA adapter (the reference: the base model)")
-    parser.add_argument("--zero3-init", action="store_true", help="in-memory model partitioned by zero.Init")
-    parser.add_argument("--rl-loss", default=json.dumps(RL_LOSS))
-    parser.add_argument("--save-dir", default=None, help="save_model() there at the end")
-    parser.add_argument("--save-steps", type=int, default=0, help="write checkpoints every N steps")
-    parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume from")
-    cli = parser.parse_args()
-    torch.set_num_threads(1)
-    tok = make_tokenizer()
+class RecordingTrainer(RLLossGRPOTrainer):
+    """Records the shape of every LM-head weight the chunked loss and log-prob passes receive (under ZeRO-3: the
+    gathered full weight, while the parameter itself stays a shard)."""
+
+    head_shapes: set[tuple[int, ...]] = set()
+
+    def _head_inputs(self, hidden, weight):
+        self.head_shapes.add(tuple(weight.shape))
+        return super()._head_inputs(hidden, weight)
+
+
+def head_info(trainer) -> dict:
+    """The LM head after training: its local numel (0: a ZeRO-3 shard, not kept gathered), tied or not."""
+    lm = trainer._causal_lm(trainer.accelerator.unwrap_model(trainer.model))
+    head = lm.get_output_embeddings().weight
+    return {
+        "seen_in_loss": sorted(RecordingTrainer.head_shapes),
+        "local_numel_after": head.numel(),
+        "full_shape": tuple(getattr(head, "ds_shape", head.shape)),
+        "tied": head is lm.get_input_embeddings().weight,
+    }
+
+
+def parse_case(case: str) -> tuple[int, bool]:
+    """`sp1`, `sp2`, `sp1-peft`, ... -> (sp_size, peft)."""
+    sp, _, peft = case.partition("-")
+    if not sp.startswith("sp") or peft not in ("", "peft"):
+        raise ValueError(f"case {case!r}: expected sp<N> or sp<N>-peft")
+    return int(sp[2:]), peft == "peft"
+
+
+def run_case(cli, tok, case: str) -> dict | None:
+    """Train one case; every rank returns None except the main process, which returns its record."""
+    sp, peft = parse_case(case)
+    case_dir = os.path.join(os.path.dirname(os.path.abspath(cli.out)), "run", case)
     save = {"save_strategy": "steps", "save_steps": cli.save_steps} if cli.save_steps else {}
     args = RLLossGRPOConfig(
-        output_dir=os.path.join(os.path.dirname(os.path.abspath(cli.out)), "run"),
-        **{**BASE_ARGS, **save, "num_generations": 2, "per_device_train_batch_size": cli.per_device_batch_size, "learning_rate": 0.05},
+        output_dir=case_dir,
+        **{
+            **BASE_ARGS,
+            **save,
+            "num_generations": 2,
+            "per_device_train_batch_size": cli.per_device_batch_size,
+            "learning_rate": 0.05,
+        },
         gradient_accumulation_steps=cli.grad_accum,
         max_steps=cli.steps,
         num_iterations=cli.num_iterations,
         optim="sgd",
         rl_loss=cli.rl_loss,
-        sp_size=cli.sp,
+        sp_size=sp,
     )
     model = make_model(tok)
-    if cli.sp > 1:
+    if sp > 1:
         model.set_attn_implementation("sdpa")
     if cli.zero3_init:
         model = _zero3_model(model)
     peft_config = None
-    if cli.peft:
+    if peft:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)  # the LoRA init: the same whatever the engine consumed before
+    RecordingTrainer.head_shapes = set()
     start = time.perf_counter()
-    trainer = RLLossGRPOTrainer(
+    trainer = RecordingTrainer(
         model,
         [reward_length, reward_digit],
         args=args,
@@ -191,32 +221,64 @@ def main() -> None:
         peft_config=peft_config,
     )
     trainer._generate_single_turn = FixedWithLogprobs(tok, trainer.max_completion_length)
+    initial = full_params(trainer.accelerator.unwrap_model(trainer.model))
     trainer.train(resume_from_checkpoint=cli.resume_from)
     wall = time.perf_counter() - start
-    if cli.save_dir:
-        trainer.save_model(cli.save_dir)
+    save_dir = os.path.join(cli.save_dir, case) if cli.save_dir else None
+    if save_dir:
+        trainer.save_model(save_dir)
     params = full_params(trainer.accelerator.unwrap_model(trainer.model))  # collective under ZeRO-3/FSDP2
     ranks = _gather(rank_info(trainer))
     peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if trainer.accelerator.is_main_process:
-        steps = [h for h in trainer.state.log_history if "loss" in h]
-        result = {
-            "engine": engine_info(trainer),
-            "world_size": trainer.accelerator.num_processes,
-            "sp": cli.sp,
-            "peft": cli.peft,
-            "losses": [h["loss"] for h in steps],
-            "loss_total": [h.get("loss/total") for h in steps],
-            "history": trainer.state.log_history,
-            "global_step": trainer.state.global_step,
-            "params": params,
-            "ranks": ranks,
-            "peak_rss_mb": peak,
-            "wall_s": wall,
-            "saved": sorted(os.listdir(cli.save_dir)) if cli.save_dir else None,
-        }
-        torch.save(result, cli.out)
     trainer.accelerator.wait_for_everyone()
+    if not trainer.accelerator.is_main_process:
+        return None
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    return {
+        "engine": engine_info(trainer),
+        "head": head_info(trainer),
+        "world_size": trainer.accelerator.num_processes,
+        "sp": sp,
+        "peft": peft,
+        "losses": [h["loss"] for h in steps],
+        "loss_total": [h.get("loss/total") for h in steps],
+        "steps": [h["step"] for h in steps],
+        "history": trainer.state.log_history,
+        "global_step": trainer.state.global_step,
+        "params": params,
+        "moved": max((params[k] - initial[k]).abs().max().item() for k in params),
+        "ranks": ranks,
+        "peak_rss_mb": peak,
+        "wall_s": wall,
+        "saved": sorted(os.listdir(save_dir)) if save_dir else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["sp1"],
+        help="sp<N> or sp<N>-peft (LoRA; the reference is the base model), run one after the other in these "
+        "processes (peak RSS is then the running maximum: give one case per launch to measure memory)",
+    )
+    parser.add_argument("--per-device-batch-size", type=int, default=4, help="sequences per micro-batch per replica")
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--num-iterations", type=int, default=2, help="2: every other step is off-policy")
+    parser.add_argument("--zero3-init", action="store_true", help="in-memory model partitioned by zero.Init")
+    parser.add_argument("--rl-loss", default=json.dumps(RL_LOSS))
+    parser.add_argument("--save-dir", default=None, help="save_model() to <save-dir>/<case> at the end")
+    parser.add_argument("--save-steps", type=int, default=0, help="write checkpoints every N steps")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume from")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    results = {case: run_case(cli, tok, case) for case in cli.cases}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, cli.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""The one launcher of the subprocess tests: a free port, a hard timeout, and every worker ended BY PID.
+
+`torchrun` and `accelerate launch` start their workers in sessions of their own, so killing the launcher's process
+group (`os.killpg`) leaves the workers running (and holding the port and both cores). `kill_tree` collects the
+launcher's descendants with psutil (`children(recursive=True)`) and kills each by its PID.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every launch: one thread per process (2 cores shared), no Hub, DeepSpeed on its CPU accelerator.
+LAUNCH_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DS_ACCELERATOR": "cpu",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL `pid` and all its descendants, each by PID (descendants first collected, then killed); the PIDs."""
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return []
+    procs = [*root.children(recursive=True), root]
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    return [proc.pid for proc in procs]
+
+
+def run(cmd: list[str], timeout: float, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `cmd` (stdout discarded, stderr captured); after `timeout` s kill it and all its workers and fail."""
+    env = {**os.environ, **LAUNCH_ENV, **(env or {})}
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        killed = kill_tree(proc.pid)
+        proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout:.0f} s; killed PIDs {killed}")
+    except BaseException:  # e.g. Ctrl-C: leave no worker behind
+        kill_tree(proc.pid)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, None, stderr)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The launcher prefix for `nproc` processes: plain python for one, torchrun on a free port otherwise."""
+    if nproc == 1:
+        return [sys.executable]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+    ]
+
+
+def cpu_accelerate_config(name: str, out_dir: Path, num_processes: int = 2, **overrides) -> Path:
+    """The shipped `accelerate_configs/<name>.yaml` made to run here: on CPU, `num_processes` processes, fp32; its
+    sharding settings unchanged. `overrides` replace further top-level keys."""
+    config = yaml.safe_load((ROOT / "accelerate_configs" / f"{name}.yaml").read_text())
+    config.update(use_cpu=True, num_processes=num_processes, mixed_precision="no", **overrides)
+    path = Path(out_dir) / f"{name}_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def accelerate_launch(config: Path, script: Path | str, *args: str, main_process_port: int | None = None) -> list[str]:
+    """`accelerate launch --config_file config script args` as a command (through `python -m`, so this Python)."""
+    port = ["--main_process_port", str(main_process_port or free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        *port,
+        str(script),
+        *args,
+    ]
