@@ -75,7 +75,8 @@ def test_fsdp2_really_shards_policy_and_reference(runs, case):
     record = runs("fsdp2")[case]
     engine, probe = record["engine"], record["fsdp2"]
     assert engine["distributed_type"] == "DistributedType.FSDP" and engine["mixed_precision"] == "no"
-    assert engine["wrapper"].startswith("FSDP") and engine["dtensor_params"] and engine["param_dtype"] == "torch.float32"
+    assert engine["wrapper"].startswith("FSDP") and engine["dtensor_params"]
+    assert engine["param_dtype"] == "torch.float32"
     after = probe["after_train"]
     assert after["policy_fsdp_module"] and after["policy_all_dtensor"]
     if case.endswith("peft"):
