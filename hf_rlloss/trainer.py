@@ -235,6 +235,15 @@ class RLLossGRPOTrainer(GRPOTrainer):
       Accelerate's `ParallelismConfig` (DeepSpeed ALST) is not used: TRL's `GRPOConfig` rejects it, and its
       dataloader adapter and global `"sdpa"` patch do not fit GRPO's generation; use `sp_size` instead.
 
+    **FSDP2** (`accelerate_configs/fsdp2.yaml`). Every loss and log-prob pass runs inside the root module's forward
+    (`_call_through_wrapper`), so `fully_shard`'s hooks unshard every parameter, including those the root owns
+    directly (embeddings, final norm, LM head, tied or not), and reduce-scatter their gradients; the full LM-head
+    weight exists only during that forward (the chunked loss keeps its gradient, not the weight). The reference is
+    sharded like the policy (TRL's `prepare_fsdp`); for an in-memory policy it is a deep copy taken at construction,
+    before the policy is sharded. `save_model` gathers a full state dict whatever `fsdp_state_dict_type` is, so the
+    saved folder loads with `from_pretrained` (see `save_model`). `fully_shard` over all `dp × sp` ranks is what
+    the loss contract needs under sequence parallelism: gradients are averaged over every rank.
+
     **Subclassing.** Override `build_loss_data` to add keys to the data given to `rl_loss_config.build` (or
     `build_loss_context` to modify the context), set `RLLossGRPOConfig.loss_config_class` to use another loss
     configuration class, and `compute_hidden_states` / `get_head_weight` for models with an unusual layout.
@@ -568,7 +577,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return outputs.last_hidden_state
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
-        """The `(V, H)` LM-head weight (gathered when it is an FSDP2 DTensor)."""
+        """The `(V, H)` LM-head weight. Inside the root module's forward (`_call_through_wrapper`) FSDP2 has already
+        unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`, differentiable)."""
         weight = self._causal_lm(unwrapped).get_output_embeddings().weight
         if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
