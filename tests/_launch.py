@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -54,20 +56,42 @@ def kill_tree(pid: int) -> list[int]:
 
 def run(cmd: list[str], timeout: float, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `cmd` (stdout discarded, stderr captured); after `timeout` s kill it and all its workers and fail."""
+    return run_all([cmd], timeout, cwd, env)[0]
+
+
+def run_all(cmds: list[list[str]], timeout: float, cwd=None, env: dict | None = None) -> list:
+    """Run `cmds` concurrently (e.g. the machine ranks of a multi-node launch); after `timeout` s for all of them
+    kill each with all its workers and fail. Returns their `CompletedProcess` (stderr captured, in a file so that
+    no pipe can fill up while the others run)."""
     env = {**os.environ, **LAUNCH_ENV, **(env or {})}
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    procs, logs = [], []
     try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        killed = kill_tree(proc.pid)
-        proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... did not finish within {timeout:.0f} s; killed PIDs {killed}")
-    except BaseException:  # e.g. Ctrl-C: leave no worker behind
-        kill_tree(proc.pid)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, None, stderr)
+        for cmd in cmds:
+            log = tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True
+                )
+            )
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                killed = [pid for p in procs for pid in kill_tree(p.pid)]
+                command = " ".join(map(str, cmds[0][:6]))
+                pytest.fail(f"{command} ... did not finish within {timeout:.0f} s; killed PIDs {killed}")
+    finally:  # also on Ctrl-C or a failure above: leave no worker behind
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+    results = []
+    for cmd, proc, log in zip(cmds, procs, logs):
+        log.seek(0)
+        results.append(subprocess.CompletedProcess(cmd, proc.returncode, None, log.read()))
+        log.close()
+    return results
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -95,16 +119,31 @@ def cpu_accelerate_config(name: str, out_dir: Path, num_processes: int = 2, **ov
     return path
 
 
-def accelerate_launch(config: Path, script: Path | str, *args: str, main_process_port: int | None = None) -> list[str]:
+def accelerate_launch(
+    config: Path, script: Path | str, *args: str, main_process_port: int | None = None, machine_rank: int | None = None
+) -> list[str]:
     """`accelerate launch --config_file config script args` as a command (through `python -m`, so this Python)."""
-    port = ["--main_process_port", str(main_process_port or free_port())]
+    launch = ["--main_process_port", str(main_process_port or free_port())]
+    if machine_rank is not None:
+        launch += ["--machine_rank", str(machine_rank)]
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
         str(config),
-        *port,
+        *launch,
         str(script),
         *args,
+    ]
+
+
+def accelerate_launch_machines(config: Path, script: Path | str, *args: str) -> list[list[str]]:
+    """One `accelerate launch` command per machine rank of a multi-node `config`, on one free port (run them together
+    with `run_all`)."""
+    num_machines = yaml.safe_load(Path(config).read_text())["num_machines"]
+    port = free_port()
+    return [
+        accelerate_launch(config, script, *args, main_process_port=port, machine_rank=rank)
+        for rank in range(num_machines)
     ]

@@ -39,13 +39,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, tie: bool = True) -> Qwen2ForCausalLM:
+def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, tie: bool = True, layers: int = 2) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,

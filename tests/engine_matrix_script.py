@@ -10,6 +10,7 @@ saves the start-up of a launch per case); each record has:
 * ``ranks``: per process: global rank (torch.distributed), Accelerate's process index and local process index,
   ``LOCAL_RANK``/``RANK``/``GROUP_RANK`` from the launcher, the global ranks of its SP group (None without SP);
 * ``peak_rss_mb``: per process, the RSS high-water mark of the process (``ru_maxrss``) at the end, in MiB;
+  ``start_rss_mb``: rank 0's RSS after the imports, before any model (what the peak includes of the libraries);
 * ``wall_s``: seconds from the trainer's construction to the end of ``train()`` (rank 0);
 * ``head``: the LM-head weight shapes the chunked passes received, its local numel after training, tied or not;
 * ``moved``: the largest change of a parameter during training (the test is not trivial);
@@ -52,6 +53,14 @@ from _trainer_utils import (  # noqa: E402
 )
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+START_RSS_MB = _rss_mb()
 
 RL_LOSS = {
     "use_kl_loss": True,
@@ -190,16 +199,16 @@ def run_case(cli, tok, case: str) -> dict | None:
             **save,
             "num_generations": 2,
             "per_device_train_batch_size": cli.per_device_batch_size,
-            "learning_rate": 0.05,
+            "learning_rate": cli.learning_rate,
         },
         gradient_accumulation_steps=cli.grad_accum,
         max_steps=cli.steps,
         num_iterations=cli.num_iterations,
-        optim="sgd",
+        optim=cli.optim,
         rl_loss=cli.rl_loss,
         sp_size=sp,
     )
-    model = make_model(tok)
+    model = make_model(tok, hidden_size=cli.hidden_size, layers=cli.layers)
     if sp > 1:
         model.set_attn_implementation("sdpa")
     if cli.zero3_init:
@@ -249,6 +258,7 @@ def run_case(cli, tok, case: str) -> dict | None:
         "moved": max((params[k] - initial[k]).abs().max().item() for k in params),
         "ranks": ranks,
         "peak_rss_mb": peak,
+        "start_rss_mb": START_RSS_MB,
         "wall_s": wall,
         "saved": sorted(os.listdir(save_dir)) if save_dir else None,
     }
@@ -268,6 +278,10 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--num-iterations", type=int, default=2, help="2: every other step is off-policy")
+    parser.add_argument("--hidden-size", type=int, default=32, help="the model's width (benchmarks: larger)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--optim", default="sgd", help="sgd: no optimizer state; adamw_torch shows ZeRO's sharding")
+    parser.add_argument("--learning-rate", type=float, default=0.05)
     parser.add_argument("--zero3-init", action="store_true", help="in-memory model partitioned by zero.Init")
     parser.add_argument("--rl-loss", default=json.dumps(RL_LOSS))
     parser.add_argument("--save-dir", default=None, help="save_model() to <save-dir>/<case> at the end")

@@ -1,0 +1,146 @@
+"""The engine matrix: each shipped accelerate config × sp_size trains one model: ran, engine, parity, memory, time.
+
+Every cell is one `accelerate launch` of `tests/engine_matrix_script.py` (one case per launch, so that the peak RSS is
+that case's) with the shipped config made to run on CPU (`tests/_launch.py`: `use_cpu`, fp32, sharding unchanged):
+the same in-memory model, 3 steps with a KL to the reference and token-level rollout IS, AdamW (so that ZeRO's
+optimizer-state sharding shows in the memory). Each cell is compared with DDP with the same number of processes and
+sp_size: the largest difference of a final parameter, and of a per-step loss.
+
+    python benchmarks/engine_matrix.py                      # the default: 42M-parameter model (hidden 768, 8 layers)
+    python benchmarks/engine_matrix.py --hidden-size 32 --layers 2 --optim sgd   # the tests' tiny model
+
+Peak memory on CPU is the RSS high-water mark of each process (`ru_maxrss`), which includes the Python, torch,
+transformers and DeepSpeed libraries (`start_rss_mb`: rank 0's RSS after the imports, before any model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import _launch  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
+# FSDP2 on CPU needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py); this script
+# installs it and runs SCRIPT.
+SCRIPTS = {"fsdp2": ROOT / "tests" / "fsdp2_script.py"}
+
+# name -> (accelerate config, processes, DDP reference, extra script arguments)
+ENGINES = {
+    "ddp": ("multi_process_cpu", 2, None, []),
+    "zero2": ("zero2", 2, "ddp", []),
+    "zero3": ("zero3", 2, "ddp", ["--zero3-init"]),
+    "fsdp2": ("fsdp2", 2, "ddp", []),
+    "ddp4": ("multi_process_cpu", 4, None, []),
+    "two_node": ("two_node_cpu", 4, "ddp4", []),
+}
+
+
+def launch(name: str, sp: int, cli, work: Path) -> dict:
+    config_name, processes, _, extra = ENGINES[name]
+    out_dir = work / f"{name}_sp{sp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "out.pt"
+    args = [
+        *extra,
+        *["--cases", f"sp{sp}", "--out", str(out), "--steps", str(cli.steps)],
+        *["--hidden-size", str(cli.hidden_size), "--layers", str(cli.layers)],
+        *["--optim", cli.optim, "--learning-rate", str(cli.learning_rate)],
+    ]
+    start = time.perf_counter()
+    if config_name == "two_node_cpu":
+        config = ROOT / "accelerate_configs" / "two_node_cpu.yaml"
+        results = _launch.run_all(_launch.accelerate_launch_machines(config, SCRIPT, *args), cli.timeout, out_dir)
+    else:
+        config = _launch.cpu_accelerate_config(config_name, out_dir, processes)
+        script = SCRIPTS.get(name, SCRIPT)
+        results = [_launch.run(_launch.accelerate_launch(config, script, *args), cli.timeout, out_dir)]
+    launch_s = time.perf_counter() - start
+    failed = [r.stderr[-3000:] for r in results if r.returncode != 0]
+    if failed:
+        return {"ran": False, "error": failed[0]}
+    record = torch.load(out, weights_only=False)[f"sp{sp}"]
+    record.update(ran=True, launch_s=launch_s)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--optim", default="adamw_torch")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
+    cli = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    work = Path(cli.work_dir)
+    records: dict[tuple[str, int], dict] = {}
+    rows = []
+    for name in cli.engines:
+        for sp in cli.sp:
+            record = records[(name, sp)] = launch(name, sp, cli, work)
+            reference_name = ENGINES[name][2]
+            reference = records.get((reference_name, sp)) if reference_name else None
+            row = {"config": name, "sp": sp, "ran": record["ran"]}
+            if record["ran"]:
+                engine = record["engine"]
+                row.update(
+                    engine=engine["wrapper"] + (f" ZeRO-{engine['zero_stage']}" if engine["zero_stage"] else ""),
+                    ref=f"{engine['ref_wrapper']}"
+                    + (f" ZeRO-{engine['ref_zero_stage']}" if engine["ref_zero_stage"] is not None else ""),
+                    processes=record["world_size"],
+                    sp_groups=[r["sp_group_ranks"] for r in record["ranks"]],
+                    local_ranks=[r["local_process_index"] for r in record["ranks"]],
+                    peak_rss_mb=[round(x) for x in record["peak_rss_mb"]],
+                    start_rss_mb=round(record["start_rss_mb"]),
+                    train_s=round(record["wall_s"], 1),
+                    launch_s=round(record["launch_s"], 1),
+                    losses=record["losses"],
+                    moved=record["moved"],
+                )
+                if reference is not None and reference["ran"]:
+                    row["max_param_diff_vs_ddp"] = max(
+                        (reference["params"][k] - record["params"][k]).abs().max().item() for k in record["params"]
+                    )
+                    row["max_loss_diff_vs_ddp"] = max(
+                        abs(a - b) for a, b in zip(reference["losses"], record["losses"])
+                    )
+            else:
+                row["error"] = record["error"][-500:]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    model = {"hidden_size": cli.hidden_size, "layers": cli.layers, "optim": cli.optim, "steps": cli.steps}
+    Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(cli.out, "w") as f:
+        json.dump({"model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print("| config | sp | ran | engine (policy / reference) | max param diff vs DDP | max loss diff | peak RSS per "
+          "rank (MiB) | train s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if not row["ran"]:
+            print(f"| {row['config']} | {row['sp']} | no | | | | | |")
+            continue
+        diff = row.get("max_param_diff_vs_ddp")
+        loss = row.get("max_loss_diff_vs_ddp")
+        print(
+            f"| {row['config']} | {row['sp']} | yes | {row['engine']} / {row['ref']} | "
+            f"{'reference' if diff is None else f'{diff:.1e}'} | {'' if loss is None else f'{loss:.1e}'} | "
+            f"{', '.join(map(str, row['peak_rss_mb']))} | {row['train_s']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
