@@ -374,7 +374,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
             init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
             init_kwargs.setdefault("dtype", self.model.dtype)
             init_kwargs.setdefault("attn_implementation", self.model.config._attn_implementation)
-            if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+            # FSDP too: by now the state says FSDP (not MULTI_GPU), and "auto" would spread each rank's copy over
+            # every GPU; `fully_shard` moves the CPU-loaded model to the rank's device.
+            if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
                 init_kwargs["device_map"] = None
             source = create_model_from_path(source, **init_kwargs)
         self._check_model_supported(source)
