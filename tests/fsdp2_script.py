@@ -8,7 +8,8 @@ what `get_head_weight` sees during the loss and log-prob passes and the state of
 
 * ``head_calls``: per `get_head_weight` call, whether the module's LM-head weight was still a sharded DTensor (it
   must not be: every pass runs inside the root module's forward, which unshards it), the shape given to the loss,
-  and whether gradients were on;
+  and whether gradients were on; ``sharded_after_logps``: after each no-gradient log-prob pass (old, reference),
+  whether the model's LM-head weight was a shard again (the root module reshards after its forward);
 * ``after_train``: the policy and the reference are `FSDPModule`s whose parameters are all DTensors again (the full
   head weight is not kept), the head's local shard shape, and whether the head is still tied to the embeddings.
 """
@@ -35,7 +36,9 @@ PROBES: dict[str, dict] = {}  # case (the run folder's name) -> probes
 
 
 def _probe(trainer) -> dict:
-    return PROBES.setdefault(os.path.basename(trainer.args.output_dir), {"head_calls": [], "after_train": None})
+    return PROBES.setdefault(
+        os.path.basename(trainer.args.output_dir), {"head_calls": [], "sharded_after_logps": [], "after_train": None}
+    )
 
 
 def _get_head_weight(self, unwrapped):
@@ -45,6 +48,13 @@ def _get_head_weight(self, unwrapped):
         {"sharded": isinstance(raw, DTensor), "shape": tuple(weight.shape), "grad": torch.is_grad_enabled()}
     )
     return weight
+
+
+def _compute_per_token_logps(self, model, *args, **kwargs):
+    out = _original_compute_per_token_logps(self, model, *args, **kwargs)
+    head = self._causal_lm(self.accelerator.unwrap_model(model)).get_output_embeddings().weight
+    _probe(self)["sharded_after_logps"].append(isinstance(head, DTensor))
+    return out
 
 
 def _all_dtensor(module) -> bool:
@@ -69,8 +79,10 @@ def _train(self, *args, **kwargs):
 
 _original_get_head_weight = RLLossGRPOTrainer.get_head_weight
 _original_train = RLLossGRPOTrainer.train
+_original_compute_per_token_logps = RLLossGRPOTrainer.compute_per_token_logps
 RLLossGRPOTrainer.get_head_weight = _get_head_weight
 RLLossGRPOTrainer.train = _train
+RLLossGRPOTrainer.compute_per_token_logps = _compute_per_token_logps
 
 
 def main() -> None:

@@ -84,12 +84,13 @@ def test_fsdp2_really_shards_policy_and_reference(runs, case):
     else:  # the in-memory policy's reference: a copy taken before sharding, then sharded like the policy
         assert engine["ref_wrapper"].startswith("FSDP") and after["ref_fsdp_module"] and after["ref_all_dtensor"]
     # Every loss and log-prob pass ran inside the root module's forward: the head weight was unsharded there (full
-    # (V, H), not a DTensor), with and without gradients; after training it is a shard again (not kept) and still
-    # tied to the embeddings.
+    # (V, H), not a DTensor), with and without gradients; after each no-gradient pass and after training it is a
+    # shard again (not kept), and it stays tied to the embeddings.
     calls = probe["head_calls"]
     vocab, hidden = after["head_full_shape"]
     assert calls and all(not c["sharded"] and c["shape"] == (vocab, hidden) for c in calls), calls
     assert {c["grad"] for c in calls} == {True, False}
+    assert probe["sharded_after_logps"] and all(probe["sharded_after_logps"])  # old/ref passes: resharded after
     assert after["head_local_shape"] == ((vocab + 1) // 2, hidden)
     assert after["tied"]
 
