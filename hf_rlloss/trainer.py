@@ -236,9 +236,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
       dataloader adapter and global `"sdpa"` patch do not fit GRPO's generation; use `sp_size` instead.
 
     **FSDP2** (`accelerate_configs/fsdp2.yaml`). Every loss and log-prob pass runs inside the root module's forward
-    (`_call_through_wrapper`), so `fully_shard`'s hooks unshard every parameter, including those the root owns
-    directly (embeddings, final norm, LM head, tied or not), and reduce-scatter their gradients; the full LM-head
-    weight exists only during that forward (the chunked loss keeps its gradient, not the weight). The reference is
+    (`_call_through_wrapper`), so `fully_shard`'s hooks unshard every parameter (embeddings, final norm and LM head,
+    tied or not, included) and reduce-scatter every gradient. The full LM-head weight exists only from a loss
+    pass's forward to its backward (Accelerate keeps its unit unsharded in between; the chunked loss keeps its
+    gradient, not the weight) and during a no-gradient pass, after which it is resharded at once. The reference is
     sharded like the policy (TRL's `prepare_fsdp`); for an in-memory policy it is a deep copy taken at construction,
     before the policy is sharded. `save_model` gathers a full state dict whatever `fsdp_state_dict_type` is, so the
     saved folder loads with `from_pretrained` (see `save_model`). `fully_shard` over all `dp × sp` ranks is what
@@ -598,13 +599,23 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper.
 
         An FSDP2 model is its own unwrapped module (`fully_shard` changes its class in place), yet it too must be
-        called through its forward: the root module's hooks unshard the parameters it owns directly (embeddings,
-        final norm, LM head, tied or not) before ``fn`` and reduce-scatter their gradients in the backward.
+        called through its forward: the root's pre-forward hook initializes FSDP2 and unshards the parameters the
+        root owns, the units inside (layers; the embeddings, final norm and LM head, which Accelerate shards as one
+        unit, tied or not) are unsharded by their own hooks during the backbone's forward, and the backward ends with
+        the root's callback that reduce-scatters every unit's gradients. Without gradients (old and reference
+        log-probs, evaluation), the units FSDP2 keeps unsharded after a forward for the coming backward (the root,
+        Accelerate's embeddings/norm/head unit) are resharded right away: no backward would do it, and the full
+        `(V, H)` head would stay materialized until the next training step's backward.
         """
         unwrapped = self.accelerator.unwrap_model(model)
         if unwrapped is model and not isinstance(model, FSDPModule):
             return fn(unwrapped, *args)
-        return self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
+        out = self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
+        if isinstance(model, FSDPModule) and not torch.is_grad_enabled():
+            for module in model.modules():  # FSDPModule.reshard is per unit, not recursive
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs without gradient (old and reference)

@@ -1,21 +1,23 @@
 """`tests/engine_matrix_script.py` under a real FSDP2 state on CPU, plus probes of what FSDP2 did to the LM head.
 
 Launched by `tests/test_fsdp2.py` as `accelerate launch --config_file <fsdp2 on CPU> tests/fsdp2_script.py ARGS`
-(ARGS: those of the engine-matrix script). It installs the test-only CPU FSDP shim (`tests/_cpu_fsdp.py`), records
-what `get_head_weight` sees during the loss and log-prob passes and the state of the policy and the reference after
-`train()`, then runs the engine-matrix script unchanged; rank 0 adds the probes of each case to its record as
-``"fsdp2"``:
+(ARGS: those of the engine-matrix script, plus ``--untied`` for a model whose LM head is not tied to the
+embeddings). It installs the test-only CPU FSDP shim (`tests/_cpu_fsdp.py`; a no-op under a config without FSDP,
+so the DDP baseline of an ``--untied`` run uses this script too), records what `get_head_weight` sees during the
+loss and log-prob passes and the state of the policy and the reference after `train()`, then runs the engine-matrix
+script unchanged; rank 0 adds the probes of each case to its record as ``"fsdp2"``:
 
 * ``head_calls``: per `get_head_weight` call, whether the module's LM-head weight was still a sharded DTensor (it
   must not be: every pass runs inside the root module's forward, which unshards it), the shape given to the loss,
   and whether gradients were on; ``sharded_after_logps``: after each no-gradient log-prob pass (old, reference),
-  whether the model's LM-head weight was a shard again (the root module reshards after its forward);
+  whether the model's LM-head weight was a shard again;
 * ``after_train``: the policy and the reference are `FSDPModule`s whose parameters are all DTensors again (the full
   head weight is not kept), the head's local shard shape, and whether the head is still tied to the embeddings.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -86,6 +88,9 @@ RLLossGRPOTrainer.compute_per_token_logps = _compute_per_token_logps
 
 
 def main() -> None:
+    if "--untied" in sys.argv:  # a separate LM head (the engine-matrix model ties it to the embeddings)
+        sys.argv.remove("--untied")
+        engine_matrix_script.make_model = functools.partial(engine_matrix_script.make_model, tie=False)
     engine_matrix_script.main()
     if int(os.environ.get("RANK", "0")) == 0:
         out = sys.argv[sys.argv.index("--out") + 1]

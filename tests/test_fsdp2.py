@@ -151,6 +151,24 @@ def test_fsdp2_resume_gives_the_same_next_losses(runs):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_fsdp2_matches_ddp_with_an_untied_head(tmp_path):
+    """A separate LM head: Accelerate puts it in one FSDP unit with the final norm (not with the embeddings)."""
+    args = ["--untied", "--cases", "sp1", "sp2", "--steps", str(STEPS)]
+    ddp = _launch(tmp_path, "ddp", FSDP2, "ddp", *args)
+    fsdp2 = _launch(tmp_path, "fsdp2", FSDP2, "fsdp2", *args)
+    for case in ("sp1", "sp2"):
+        assert ddp[case]["engine"]["wrapper"] == "DistributedDataParallel" and not ddp[case]["head"]["tied"]
+        after = fsdp2[case]["fsdp2"]["after_train"]
+        assert after["policy_all_dtensor"] and after["ref_all_dtensor"] and not after["tied"]
+        assert all(fsdp2[case]["fsdp2"]["sharded_after_logps"])
+        assert ddp[case]["moved"] > 1e-3
+        for a, b in zip(ddp[case]["losses"], fsdp2[case]["losses"], strict=True):
+            assert abs(a - b) < TOL, (case, ddp[case]["losses"], fsdp2[case]["losses"])
+        assert _max_diff(ddp[case]["params"], fsdp2[case]["params"]) < TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_recipe_under_fsdp2(tmp_path):
     """`recipes/grpo.py` (HF generate, reference loaded from the model path) under the shipped FSDP2 config."""
     from transformers import AutoModelForCausalLM
