@@ -154,8 +154,10 @@ def test_fsdp2_resume_gives_the_same_next_losses(runs):
 def test_fsdp2_matches_ddp_with_an_untied_head(tmp_path):
     """A separate LM head: Accelerate puts it in one FSDP unit with the final norm (not with the embeddings)."""
     args = ["--untied", "--cases", "sp1", "sp2", "--steps", str(STEPS)]
-    ddp = _launch(tmp_path, "ddp", FSDP2, "ddp", *args)
-    fsdp2 = _launch(tmp_path, "fsdp2", FSDP2, "fsdp2", *args)
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "fsdp2").mkdir()
+    ddp = _launch(tmp_path / "ddp", "ddp", FSDP2, "ddp", *args)
+    fsdp2 = _launch(tmp_path / "fsdp2", "fsdp2", FSDP2, "fsdp2", *args)
     for case in ("sp1", "sp2"):
         assert ddp[case]["engine"]["wrapper"] == "DistributedDataParallel" and not ddp[case]["head"]["tied"]
         after = fsdp2[case]["fsdp2"]["after_train"]
