@@ -17,6 +17,7 @@ import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from datasets import IterableDataset
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -276,6 +277,16 @@ class RLLossGRPOTrainer(GRPOTrainer):
       Accelerate's `ParallelismConfig` (DeepSpeed ALST) is not used: TRL's `GRPOConfig` rejects it, and its
       dataloader adapter and global `"sdpa"` patch do not fit GRPO's generation; use `sp_size` instead.
 
+    **FSDP2** (`accelerate_configs/fsdp2.yaml`). Every loss and log-prob pass runs inside the root module's forward
+    (`_call_through_wrapper`), so `fully_shard`'s hooks unshard every parameter (embeddings, final norm and LM head,
+    tied or not, included) and reduce-scatter every gradient. The full LM-head weight exists only from a loss
+    pass's forward to its backward (Accelerate keeps its unit unsharded in between; the chunked loss keeps its
+    gradient, not the weight) and during a no-gradient pass, after which it is resharded at once. The reference is
+    sharded like the policy (TRL's `prepare_fsdp`); for an in-memory policy it is a deep copy taken at construction,
+    before the policy is sharded. `save_model` gathers a full state dict whatever `fsdp_state_dict_type` is, so the
+    saved folder loads with `from_pretrained` (see `save_model`). `fully_shard` over all `dp × sp` ranks is what
+    the loss contract needs under sequence parallelism: gradients are averaged over every rank.
+
     **Subclassing.** Override `build_loss_data` to add keys to the data given to `rl_loss_config.build` (or
     `build_loss_context` to modify the context), set `RLLossGRPOConfig.loss_config_class` to use another loss
     configuration class, and `compute_hidden_states` / `get_head_weight` for models with an unusual layout.
@@ -415,7 +426,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
             init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
             init_kwargs.setdefault("dtype", self.model.dtype)
             init_kwargs.setdefault("attn_implementation", self.model.config._attn_implementation)
-            if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+            # FSDP too: by now the state says FSDP (not MULTI_GPU), and "auto" would spread each rank's copy over
+            # every GPU; `fully_shard` moves the CPU-loaded model to the rank's device.
+            if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
                 init_kwargs["device_map"] = None
             source = create_model_from_path(source, **init_kwargs)
         self._check_model_supported(source)
@@ -618,7 +631,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return outputs.last_hidden_state
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
-        """The `(V, H)` LM-head weight (gathered when it is an FSDP2 DTensor)."""
+        """The `(V, H)` LM-head weight. Inside the root module's forward (`_call_through_wrapper`) FSDP2 has already
+        unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`, differentiable)."""
         weight = self._causal_lm(unwrapped).get_output_embeddings().weight
         if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
@@ -633,11 +647,26 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return hidden, weight
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
-        """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper."""
+        """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper.
+
+        An FSDP2 model is its own unwrapped module (`fully_shard` changes its class in place), yet it too must be
+        called through its forward: the root's pre-forward hook initializes FSDP2 and unshards the parameters the
+        root owns, the units inside (layers; the embeddings, final norm and LM head, which Accelerate shards as one
+        unit, tied or not) are unsharded by their own hooks during the backbone's forward, and the backward ends with
+        the root's callback that reduce-scatters every unit's gradients. Without gradients (old and reference
+        log-probs, evaluation), the units FSDP2 keeps unsharded after a forward for the coming backward (the root,
+        Accelerate's embeddings/norm/head unit) are resharded right away: no backward would do it, and the full
+        `(V, H)` head would stay materialized until the next training step's backward.
+        """
         unwrapped = self.accelerator.unwrap_model(model)
-        if unwrapped is model:
+        if unwrapped is model and not isinstance(model, FSDPModule):
             return fn(unwrapped, *args)
-        return self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
+        out = self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
+        if isinstance(model, FSDPModule) and not torch.is_grad_enabled():
+            for module in model.modules():  # FSDPModule.reshard is per unit, not recursive
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs without gradient (old and reference)
@@ -948,3 +977,24 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
         for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():
             self._metrics[mode][key].append(float(value))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saving
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, writing a consolidated model under FSDP whatever `fsdp_state_dict_type` is.
+
+        Under FSDP with `SHARDED_STATE_DICT` (what `accelerate_configs/fsdp2.yaml` ships), transformers' `save_model`
+        writes no weights at all (the sharded model is written next to the optimizer state by `_save_checkpoint`, for
+        resuming), so a final `save_model()` or `push_to_hub()` would leave a folder `from_pretrained` cannot load.
+        Here it runs as with `FULL_STATE_DICT`: every rank joins one gather of the full state dict (offloaded to CPU)
+        and the main process writes a normal HF folder (`model.safetensors`, or the adapter under PEFT). Checkpoints
+        hold both, and resuming still reads the sharded files.
+        """
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if not self.is_fsdp_enabled or plugin is None:
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.fsdp import StateDictType
+
+        with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
+            return super().save_model(output_dir, _internal_call)
