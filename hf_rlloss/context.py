@@ -244,6 +244,7 @@ class BaseRLLossContext:
         hidden_states: torch.Tensor | None = None,
         head_weight: torch.Tensor | None = None,
         temperature: float = 1.0,
+        matmul_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of this micro-batch, from per-token log-probs or from hidden states and the LM-head weight.
 
@@ -253,6 +254,9 @@ class BaseRLLossContext:
                 log-probs are then computed in chunks of `chunk_size` tokens without materializing the logits.
             head_weight (`torch.Tensor`, *optional*): `(V, H)` LM-head weight (with `hidden_states`).
             temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (the sampling temperature).
+            matmul_dtype (`torch.dtype`, *optional*): dtype of the head GEMMs' operands (e.g. `torch.bfloat16` under
+                bf16 mixed precision with float32 weights); defaults to the common dtype of `hidden_states` and
+                `head_weight`. Gradients come back in their own dtypes (see `hf_rlloss.chunked_logprobs`).
 
         Returns:
             `(loss, metrics)`: the scalar to call `backward()` on (already multiplied by the number of ranks that
@@ -302,6 +306,8 @@ class BaseRLLossContext:
                     tokens["shifted_labels"],
                     temperature=temperature,
                     chunk_size=self.loss_cfg.chunk_size,
+                    matmul_dtype=matmul_dtype,
+                    compile_epilogue=self.loss_cfg.compile_epilogue,
                 )
                 seq_mean = self._sequence_mean(self._statistic(token_logprobs, tokens), tokens["seq_ids"])
 
@@ -316,6 +322,8 @@ class BaseRLLossContext:
                 temperature=temperature,
                 chunk_size=self.loss_cfg.chunk_size,
                 with_entropy=self.loss_cfg.compute_entropy,
+                matmul_dtype=matmul_dtype,
+                compile_epilogue=self.loss_cfg.compile_epilogue,
             )
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
         if self.pending_metrics:

@@ -573,13 +573,22 @@ class RLLossGRPOTrainer(GRPOTrainer):
             weight = weight.full_tensor()
         return weight
 
-    def _head_inputs(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head_inputs(
+        self, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
+        """The LM head's operands and the dtype its GEMMs run in: float32 with `cast_lm_head_to_fp32` (TRL's opt-in);
+        the mixed-precision dtype under bf16/fp16 (the chunked kernel casts its operands, and the gradients come back
+        in the dtypes of the hidden states and the weight, e.g. float32 master weights); otherwise their common dtype
+        (float32 training is unchanged)."""
         if self.args.cast_lm_head_to_fp32:
-            return hidden.float(), weight.float()
+            return hidden.float(), weight.float(), torch.float32
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
+        if half is not None:
+            return hidden, weight, half
         if hidden.dtype != weight.dtype:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-            return hidden.to(dtype), weight.to(dtype)
-        return hidden, weight
+            return hidden.to(dtype), weight.to(dtype), None
+        return hidden, weight, None
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
         """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper."""
@@ -595,9 +604,15 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """`(N,)` log-probs of `labels` from `(N, H)` hidden states through the LM head, chunked, without gradient."""
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
-            h, w = self._head_inputs(hidden, weight)
+            h, w, matmul_dtype = self._head_inputs(hidden, weight)
             logps, _ = chunked_logprobs(
-                h, w, labels, temperature=self._loss_temperature, chunk_size=self.rl_loss_config.chunk_size
+                h,
+                w,
+                labels,
+                temperature=self._loss_temperature,
+                chunk_size=self.rl_loss_config.chunk_size,
+                matmul_dtype=matmul_dtype,
+                compile_epilogue=self.rl_loss_config.compile_epilogue,
             )
         return logps
 
@@ -872,8 +887,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
             hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
-            hidden, weight = self._head_inputs(hidden, weight)
-            return ctx(hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature)
+            hidden, weight, matmul_dtype = self._head_inputs(hidden, weight)
+            return ctx(
+                hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
+            )
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"

@@ -502,3 +502,41 @@ def test_model_given_as_a_path_with_kl(tok, tmp_path):
     trainer.train()
     logs = _step_logs(trainer)
     assert logs[0]["train_policy/ref_kl"] == pytest.approx(0.0, abs=1e-6) and logs[1]["train_policy/ref_kl"] > 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Precision of the LM head
+
+
+@pytest.mark.parametrize(
+    "bf16, cast_lm_head_to_fp32, expected",
+    [(True, False, torch.bfloat16), (True, True, torch.float32), (False, False, torch.float32)],
+)
+def test_head_gemm_dtype_follows_the_mixed_precision(tok, tmp_path, monkeypatch, bf16, cast_lm_head_to_fp32, expected):
+    """Under bf16 autocast the head GEMMs of the loss and of the no-grad old/reference passes run in bf16 (float32
+    weights, float32 gradients), unless cast_lm_head_to_fp32; float32 training stays float32."""
+    kernel = sys.modules["hf_rlloss.chunked_logprobs"]  # the module (the package exports a function of that name)
+    seen = []
+    original = kernel._chunk_logits
+
+    def spy(h, w):
+        seen.append((h.dtype, w.dtype))
+        return original(h, w)
+
+    monkeypatch.setattr(kernel, "_chunk_logits", spy)
+    rl_loss = {"use_kl_loss": True, "kl_loss_type": "k3", "compile_epilogue": False}
+    args = _config(
+        tmp_path,
+        max_steps=1,
+        num_iterations=2,  # old log-probs pass
+        bf16=bf16,
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        rl_loss=rl_loss,
+        optim="sgd",
+    )
+    trainer, before, after = _train(tok, args, ref_model=make_model(tok, seed=1))
+    assert set(seen) == {(expected, expected)}, seen
+    # old + reference passes of the generation batch, then the loss of the micro-batch
+    assert len(seen) >= 3
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(torch.isfinite(after[k]).all() and not torch.equal(before[k], after[k]) for k in before)
