@@ -195,7 +195,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
     vLLM importance-sampling ratio as `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
     trainer records the log-probs of the sampled tokens under the processed sampling distribution
     (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
-    log-probs are then always computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches`.
+    log-probs are then computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches` — except
+    when every micro-batch is on-policy and rollout IS is metrics-only (`_old_logps_from_loss`): the old log-probs are
+    then the detached log-probs of the training forward, and the mismatch metrics are computed in the loss from them,
+    saving one no-grad forward per generation batch.
 
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.
@@ -768,7 +771,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 batch = super()._generate_and_score_completions(inputs)
             batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
             old_logps_deferred = self._sp_deferred_old_logps
-        needs_old = old_logps_deferred or batch.get("sampling_per_token_logps") is not None
+        needs_old = old_logps_deferred or (
+            batch.get("sampling_per_token_logps") is not None and not self._old_logps_from_loss
+        )
         if needs_old and batch.get("old_per_token_logps") is None:
             # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update.
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -782,6 +787,23 @@ class RLLossGRPOTrainer(GRPOTrainer):
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
+
+    @property
+    def _old_logps_from_loss(self) -> bool:
+        """Whether the mismatch metrics take the old log-probs from the training forward instead of a no-grad pass.
+
+        True when every micro-batch is trained on-policy (`num_iterations == 1` and `steps_per_generation ==
+        gradient_accumulation_steps`: the policy is not updated between generation and the loss) and rollout IS is
+        metrics-only: the old log-probs are then the detached log-probs of the training forward, and the loss context
+        computes the metrics from them (`defer_rollout_is`), which saves one forward of the generation batch per step.
+        Not under sequence parallelism (which keeps the no-grad pass).
+        """
+        return (
+            self.sp_mesh is None
+            and self.num_iterations == 1
+            and self.args.steps_per_generation == self.args.gradient_accumulation_steps
+            and not self.rl_loss_config.rollout_is.enabled
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss contexts
@@ -822,6 +844,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
             raise ValueError("build_loss_data must give shifted_labels and advantages")
         if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
             ctx.compute_rollout_is()
+        elif ctx.loss_kwargs.rollout_logprobs is not None and self._old_logps_from_loss:
+            ctx.defer_rollout_is()  # on-policy: the mismatch metrics come from the loss's own forward
         return ctx
 
     def _sp_pack_loss_data(self, data: dict[str, Any], packed: PackedRows, shape: tuple[int, int]) -> dict[str, Any]:
