@@ -134,8 +134,14 @@ def _neg_scaled_probs_fused_(logits: torch.Tensor, log_normalizer: torch.Tensor,
     return logits
 
 
-_EAGER = {"stats": _softmax_stats_eager, "grad": _neg_scaled_probs_eager_}
-_FUSED = {"stats": _softmax_stats_fused, "grad": _neg_scaled_probs_fused_}
+def _accumulate_(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``total += value`` (a float32 accumulator, a half-precision GEMM result). Compiled, the conversion is
+    vectorized: eager CPU `add_` across dtypes runs several times slower than within one dtype."""
+    return total.add_(value.to(total.dtype))
+
+
+_EAGER = {"stats": _softmax_stats_eager, "grad": _neg_scaled_probs_eager_, "accumulate": _accumulate_}
+_FUSED = {"stats": _softmax_stats_fused, "grad": _neg_scaled_probs_fused_, "accumulate": _accumulate_}
 _compiled: dict[str, Callable] = {}
 _compile_failed: str | None = None
 
@@ -246,7 +252,10 @@ def _grad_logits_(
         block.mul_(-scale.unsqueeze(-1))
     else:
         _run_epilogue("grad", compiled, block, log_normalizer, scale, 1.0 / temperature)
-    return block.scatter_add_(-1, labels.unsqueeze(-1), scale.unsqueeze(-1).to(block.dtype))
+    # + g/T at each row's label: indexing, not scatter_add_ (which is pathologically slow on CPU half tensors)
+    rows = torch.arange(block.shape[0], device=block.device)
+    block[rows, labels] += scale.to(block.dtype)
+    return block
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor, matmul_dtype: torch.dtype | None) -> torch.dtype:
@@ -349,7 +358,7 @@ class _ChunkedObjective(torch.autograd.Function):
             if need_w and dtype == acc_dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
             elif need_w:
-                grad_weight.add_(grad_logits.t() @ h)
+                _run_epilogue("accumulate", compiled, grad_weight, grad_logits.t() @ h)
         # Kept as attributes, not saved tensors: backward hands them over without a copy (they are not inputs or
         # outputs, so there is no version counter to check).
         ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_w else None)
