@@ -146,6 +146,7 @@ def _run_demo_variant(name: str, config: str, steps: int) -> dict:
             epsilon=cfg.policy_loss_cfg.cliprange_low,
             epsilon_high=cfg.policy_loss_cfg.cliprange_high,
             beta=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0,
+            generation_batch_size=None,  # derived from steps_per_generation, which is kept
         )
         args = GRPOConfig(**values)
         trainer = GRPOTrainer(
