@@ -6,7 +6,12 @@ the median over repeats. The "GEMM floor" is the measured time of the three `tok
 (logits, grad of hidden, grad of weight) that any exact method must do; `time / floor` says how close a method is.
 
     python benchmarks/loss_step.py                       # 4096 tokens × {49k, 152k} vocab, hidden 576, fp32
+    python benchmarks/loss_step.py --dtype bf16          # the same in bfloat16 (hidden states and head weight)
     python benchmarks/loss_step.py --tokens 1024 4096 8192 --vocab 151936 --repeats 5
+
+`hf_rlloss` runs with the default epilogue (compiled for half precision, eager for float32); `hf_rlloss_eager` and
+`hf_rlloss_compiled` force one or the other (`compile_epilogue`). In bf16 the naive method computes bf16 logits and
+a float32 log-softmax (what a bf16 model's `logits.float()` does), and the floor is the three GEMMs in bf16.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from _memory import peak_rss_mb, reset_peak_rss, rss_mb
 
 METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
+EXTRA_METHODS = ("hf_rlloss_eager", "hf_rlloss_compiled")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _inputs(tokens, vocab, hidden, device, dtype):
@@ -48,7 +55,7 @@ def _dapo_loss(logp, old, ref, adv, eps_low=0.2, eps_high=0.28, beta=0.001):
     return (per_token + beta * kl).sum() / logp.numel()
 
 
-def _run_once(method, tokens, vocab, hidden, device, dtype_name):
+def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0):
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -56,13 +63,16 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name):
     h, w, labels, adv, old, ref = _inputs(tokens, vocab, hidden, device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    if method == "hf_rlloss":
+    if method.startswith("hf_rlloss"):
         from hf_rlloss import GRPOLossConfig, GRPOLossContext
 
+        compile_epilogue = {"hf_rlloss": None, "hf_rlloss_eager": False, "hf_rlloss_compiled": True}[method]
         cfg = GRPOLossConfig(
             policy_loss_cfg={"cliprange_low": 0.2, "cliprange_high": 0.28},
             use_kl_loss=True,
             kl_loss_type="k3",
+            chunk_size=chunk_size or None,
+            compile_epilogue=compile_epilogue,
         )
         ctx = cfg.build(
             {
@@ -121,8 +131,9 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name):
     return {"seconds": seconds, "peak_mb": peak}
 
 
-def _measure(method, tokens, vocab, hidden, device, dtype):
+def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0):
     cmd = [sys.executable, __file__, "--_one", method, str(tokens), str(vocab), str(hidden), device, dtype]
+    cmd += [str(chunk_size)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -133,20 +144,22 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
     parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (or a torch dtype name)")
+    parser.add_argument("--chunk-size", type=int, default=0, help="hf_rlloss tokens per chunk (0: its default)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument(
         "--skip-naive-above", type=float, default=16.0, help="GiB of logits above which naive is skipped"
     )
     parser.add_argument("--out", default="benchmarks/results/loss_step.json")
-    parser.add_argument("--_one", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--_one", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._one:
-        method, tokens, vocab, hidden, device, dtype = args._one
-        print(json.dumps(_run_once(method, int(tokens), int(vocab), int(hidden), device, dtype)))
+        method, tokens, vocab, hidden, device, dtype, chunk = args._one
+        print(json.dumps(_run_once(method, int(tokens), int(vocab), int(hidden), device, dtype, int(chunk))))
         return
+    args.dtype = DTYPES.get(args.dtype, args.dtype)
 
     rows = []
     for vocab in args.vocab:
@@ -159,8 +172,10 @@ def main():
             samples = {m: [] for m in methods}
             for _ in range(args.repeats):
                 for m in methods:  # interleaved: machine noise hits every method alike
-                    samples[m].append(_measure(m, tokens, vocab, args.hidden, args.device, args.dtype))
-            row = {"tokens": tokens, "vocab": vocab, "hidden": args.hidden}
+                    samples[m].append(
+                        _measure(m, tokens, vocab, args.hidden, args.device, args.dtype, args.chunk_size)
+                    )
+            row = {"tokens": tokens, "vocab": vocab, "hidden": args.hidden, "dtype": args.dtype}
             for m, runs in samples.items():
                 row[f"{m}_s"] = statistics.median(r["seconds"] for r in runs)
                 row[f"{m}_peak_mb"] = statistics.median(r["peak_mb"] for r in runs)
@@ -173,6 +188,8 @@ def main():
         "dtype": args.dtype,
         "date": time.strftime("%Y-%m-%d"),
         "repeats": args.repeats,
+        "chunk_size": args.chunk_size or "default",
+        "load_average_at_end": os.getloadavg(),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -189,8 +206,8 @@ def _cuda():
 def _print_row(row):
     t = row
     ours, floor = t.get("hf_rlloss_s"), t.get("gemm_floor_s")
-    parts = [f"tokens={t['tokens']:>6} vocab={t['vocab']:>6}"]
-    for m in ("hf_rlloss", "trl_chunked", "naive", "gemm_floor"):
+    parts = [f"{t['dtype']} tokens={t['tokens']:>6} vocab={t['vocab']:>6}"]
+    for m in METHODS + EXTRA_METHODS:
         if f"{m}_s" in t:
             parts.append(f"{m}: {t[f'{m}_s']:.2f}s {t[f'{m}_peak_mb']:.0f}MB")
     if ours and t.get("trl_chunked_s"):
@@ -200,6 +217,9 @@ def _print_row(row):
         parts.append(f"vs naive {t['naive_s'] / ours:.2f}x")
     if ours and floor:
         parts.append(f"time/GEMM floor {ours / floor:.2f}")
+    for m in EXTRA_METHODS:
+        if floor and t.get(f"{m}_s"):
+            parts.append(f"{m}/floor {t[f'{m}_s'] / floor:.2f}")
     print(" | ".join(parts), flush=True)
 
 

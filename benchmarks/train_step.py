@@ -7,6 +7,14 @@ within each repeat; the step time is the median of TRL's logged `step_time` over
 
     python benchmarks/train_step.py --model tiny            # seconds
     python benchmarks/train_step.py --model smollm2 --steps 4 --repeats 2
+
+`--demo CONFIG` instead times whole optimizer steps of a recipe config (generation included: the real HF
+`generate`, the rewards, the old/ref passes, the loss, the optimizer), from the end of one step to the end of the
+next, the first step (warm-up, compilation) excluded: stock `GRPOTrainer` with the same settings (`loss_type="dapo"`,
+`epsilon`/`epsilon_high` and `beta` from `rl_loss`), `RLLossGRPOTrainer` as configured, and `RLLossGRPOTrainer`
+with the no-grad old log-prob pass forced back on (what the on-policy skip saves).
+
+    python benchmarks/train_step.py --demo recipes/smollm2_135m/arithmetic/config_demo.yaml --steps 3 --repeats 2
 """
 
 from __future__ import annotations
@@ -91,6 +99,107 @@ def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int
     }
 
 
+DEMO_VARIANTS = ("trl", "hf_rlloss", "hf_rlloss_old_pass")
+
+
+def _run_demo_variant(name: str, config: str, steps: int) -> dict:
+    """One run of `name` on the recipe `config` (see the module docstring); times from a callback."""
+    import dataclasses
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_rlloss import RLLossGRPOTrainer
+    from hf_rlloss.assets import resolve_model
+    from hf_rlloss.rewards import get_reward_funcs
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(root, "recipes", "grpo.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules["grpo_recipe"] = recipe  # its dataclasses look their module up
+    spec.loader.exec_module(recipe)
+    script_args, training_args, model_args = recipe.parse_args(
+        ["--config", config, "--max_steps", str(steps), "--output_dir", f"/tmp/bench_demo_{name}"]
+    )
+    torch.manual_seed(training_args.seed)
+    dataset = recipe.load_data(script_args, training_args.seed)["train"]
+    path = resolve_model(model_args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype)
+    rewards = get_reward_funcs(script_args.reward_funcs)
+
+    class Clock(TrainerCallback):
+        ends: list[float] = []
+
+        def on_step_end(self, *args, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    clock = Clock()
+    if name == "trl":
+        cfg = training_args.rl_loss_config
+        fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
+        values = {k: v for k, v in vars(training_args).items() if k in fields}
+        values.update(
+            loss_type="dapo",
+            epsilon=cfg.policy_loss_cfg.cliprange_low,
+            epsilon_high=cfg.policy_loss_cfg.cliprange_high,
+            beta=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0,
+            generation_batch_size=None,  # derived from steps_per_generation, which is kept
+        )
+        args = GRPOConfig(**values)
+        trainer = GRPOTrainer(
+            model, rewards, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+        )
+    else:
+        if name == "hf_rlloss_old_pass":
+            RLLossGRPOTrainer._old_logps_from_loss = property(lambda self: False)
+        trainer = RLLossGRPOTrainer(
+            model, rewards, args=training_args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+        )
+    reset_peak_rss()
+    baseline = rss_mb()
+    trainer.train()
+    steps_s = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return {"step_s": statistics.median(steps_s), "peak_mb": peak_rss_mb() - baseline}
+
+
+def _main_demo(args) -> None:
+    samples = {v: [] for v in DEMO_VARIANTS}
+    for _ in range(args.repeats):
+        for v in DEMO_VARIANTS:  # interleaved: machine noise hits every variant alike
+            cmd = [sys.executable, __file__, "--_demo_one", v, args.demo, str(args.steps)]
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode:
+                raise RuntimeError(f"{v} failed:\n{out.stderr[-3000:]}")
+            samples[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(v, samples[v][-1], flush=True)
+    keys = ("step_s", "peak_mb")
+    rows = {v: {k: statistics.median(s[k] for s in runs) for k in keys} for v, runs in samples.items()}
+    rows["ratios"] = {
+        "hf_rlloss_vs_trl": rows["hf_rlloss"]["step_s"] / rows["trl"]["step_s"],
+        "old_pass_saving_s": rows["hf_rlloss_old_pass"]["step_s"] - rows["hf_rlloss"]["step_s"],
+        "hf_rlloss_vs_old_pass": rows["hf_rlloss"]["step_s"] / rows["hf_rlloss_old_pass"]["step_s"],
+    }
+    meta = {
+        "config": args.demo,
+        "timed_steps": args.steps - 1,
+        "repeats": args.repeats,
+        "samples": samples,
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_at_end": os.getloadavg(),
+    }
+    print(json.dumps(rows, indent=2))
+    out = args.out or "benchmarks/results/train_step_demo.json"
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print(f"wrote {out}")
+
+
 def _measure(name, args) -> dict:
     cmd = [sys.executable, __file__, "--_one", name, args.model, str(args.steps), str(args.batch), str(args.length)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
@@ -109,11 +218,20 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--demo", default=None, help="a recipe YAML: time whole steps of it (see above)")
     parser.add_argument("--_one", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--_demo_one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._one:
         name, model, steps, batch, length = args._one
         print(json.dumps(_run_variant(name, model, int(steps), int(batch), int(length))))
+        return
+    if args._demo_one:
+        name, config, steps = args._demo_one
+        print(json.dumps(_run_demo_variant(name, config, int(steps))))
+        return
+    if args.demo:
+        _main_demo(args)
         return
     samples = {v: [] for v in args.variants}
     for _ in range(args.repeats):

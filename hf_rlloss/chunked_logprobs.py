@@ -11,12 +11,49 @@ Two entry points:
   gradients. That is three GEMMs of ``tokens × hidden × vocab`` in all — the matmul limit of the machine.
 
 Both operate on flat tensors of the valid tokens: ``hidden (N, H)``, ``labels (N,)``. Logits are
-``(hidden @ weightᵀ) / temperature`` in float32.
+``(hidden @ weightᵀ) / temperature``. Per chunk the kernel runs four stages: the logits GEMM; the softmax statistics
+(row max, log-sum-exp, entropy); the objective's gradient and from it the logits' gradient ``(onehot − p)·g/T``,
+written over the logits; the two gradient GEMMs.
+
+**Precision.** The GEMMs run in ``matmul_dtype`` (defaults to the inputs' common dtype) with float32 accumulation.
+
+* float32 / float64: the logits are float32 / float64; the probabilities are written over them with one ``exp`` per
+  element and scaled into the logits' gradient in place.
+* bfloat16 / float16 (*half path*): the logits block stays in half precision (no CPU GEMM writes float32 from half
+  operands, and half the bytes is half the memory traffic of every later pass). Every statistic is computed in
+  float32 from it (max, log-sum-exp, entropy), the label logit is recomputed exactly (a float32 dot product of the
+  hidden state with the label's weight row, `(n, H)` work), the per-token outputs are float32, and the logits'
+  gradient is written back over the half block for the two gradient GEMMs. The head gradient is accumulated over the
+  chunks in float32; the gradients come back in the dtype of ``hidden`` and ``weight`` (pass float32 master weights
+  with ``matmul_dtype=torch.bfloat16`` to get float32 gradients from bf16 GEMMs).
+  Error against a float64 reference on the same inputs (`tests/test_context.py::test_half_path_matches_float64`:
+  192 tokens, vocab 2048, logits of std 3.5 after the temperature, max |z/T| ≈ 16), dominated by the rounding of the
+  logits block (a logit z moves by at most 2⁻⁸|z| in bf16, 2⁻¹¹|z| in fp16, and log Z is a softmax-weighted mean of
+  those moves, so ``|Δ log π| ≤ 2⁻⁸ max|z/T|``):
+
+  | GEMM operands | log-probs (max abs) | entropy (max abs) | loss (rel.) | grad hidden / weight (rel., norm) |
+  |---|---|---|---|---|
+  | bf16 | 0.064 | 0.040 | 1.7e-4 | 5.4e-3 / 6.1e-3 |
+  | fp16 | 0.0032 | 0.0050 | 9e-6 | 7.0e-4 / 7.8e-4 |
+  | bf16 from float32 weights | 0.057 | 0.053 | 3.2e-4 | 6.1e-3 / 6.6e-3 |
+  | float32 (the same problem at 512 tokens, vocab 8192) | 5e-6 | 6e-6 | 1e-8 | 5e-7 / 5e-7 |
+
+  The gradients' error is the half-precision rounding of the returned gradients (bf16: 2⁻⁹ relative per element)
+  and of the gradient block fed to the GEMMs. That is the precision of any bf16 LM head (naive bf16 logits round the
+  label logit too, which this kernel does not).
+
+**Epilogue.** The elementwise stages (softmax statistics; the logits' gradient) are memory-bound once the GEMMs run
+in half precision. With ``compile_epilogue`` (default: on for half-precision matmuls) each is one `torch.compile`d
+kernel (Inductor: C++/OpenMP on CPU, Triton on GPU) that reads the half block once or twice and writes the gradient
+in place, with no float32 temporary; it falls back to the eager kernels, with a warning, when no compiler is
+available or compilation fails. The eager kernels work on blocks of `_ROW_BLOCK` rows to keep their float32
+temporaries small.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,12 +65,15 @@ ChunkObjective = Callable[[torch.Tensor, slice, torch.Tensor | None], tuple[torc
 # Elementwise passes over a chunk's `(n, V)` buffer run on blocks of rows, so that their temporaries stay small
 # (64 × V) next to the one `(n, V)` buffer the chunk needs.
 _ROW_BLOCK = 64
+_HALF = (torch.bfloat16, torch.float16)
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk keeping one `(chunk, vocab)` float32 block near 128 MB: a power of two in [64, 2048]
-    (512 at a 49k vocabulary, 256 at 152k). Larger chunks buy no GEMM speed on CPU and cost memory."""
-    return int(min(2048, max(64, 2 ** round(math.log2(2**25 / vocab)))))
+def default_chunk_size(vocab: int, dtype: torch.dtype = torch.float32) -> int:
+    """Tokens per chunk keeping one `(chunk, vocab)` logits block near 128 MB in its dtype: a power of two in
+    [64, 2048] (float32: 512 at a 49k vocabulary, 256 at 152k; half precision: twice that). Larger chunks buy no GEMM
+    speed on CPU and cost memory."""
+    element = 2 if dtype in _HALF else 4
+    return int(min(2048, max(64, 2 ** round(math.log2(2**27 / element / vocab)))))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -41,25 +81,154 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Epilogue kernels of the half path (also used for every dtype with compile_epilogue=True)
+
+
+def _softmax_stats_eager(
+    logits: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(n,)` float32 log-sum-exp of ``logits·inv_temp`` (and entropies), from a `(n, V)` block of any dtype."""
+    dtype = _compute_dtype(logits.dtype)
+    log_normalizer = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+    entropy = torch.empty_like(log_normalizer) if with_entropy else None
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        z = logits[rows].to(dtype, copy=True)  # (b, V) float32 temporary
+        if inv_temp != 1.0:
+            z.mul_(inv_temp)
+        row_max = z.amax(dim=-1, keepdim=True)
+        z.sub_(row_max)
+        exps = z.exp()
+        total = exps.sum(dim=-1)
+        log_total = total.log()
+        log_normalizer[rows] = row_max.squeeze(-1) + log_total
+        if entropy is not None:
+            entropy[rows] = log_total - torch.linalg.vecdot(exps, z) / total
+    return log_normalizer, entropy
+
+
+def _softmax_stats_fused(
+    logits: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same as `_softmax_stats_eager`, written for `torch.compile` (whole block: Inductor fuses it into reductions
+    that never materialize the float32 values)."""
+    z = logits.to(_compute_dtype(logits.dtype)) * inv_temp
+    row_max = z.amax(dim=-1, keepdim=True)
+    shifted = z - row_max
+    exps = shifted.exp()
+    total = exps.sum(dim=-1)
+    log_total = total.log()
+    entropy = log_total - (exps * shifted).sum(dim=-1) / total if with_entropy else None
+    return row_max.squeeze(-1) + log_total, entropy
+
+
+def _neg_scaled_probs_eager_(logits: torch.Tensor, log_normalizer: torch.Tensor, scale: torch.Tensor, inv_temp: float):
+    """In place: ``logits ← −scale · softmax(logits·inv_temp)`` (`scale` `(n,)` float32), computed in float32."""
+    dtype = _compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        block = logits[rows]
+        z = block.to(dtype, copy=True)
+        if inv_temp != 1.0:
+            z.mul_(inv_temp)
+        z.sub_(log_normalizer[rows, None]).exp_().mul_(-scale[rows, None])
+        block.copy_(z)
+    return logits
+
+
+def _neg_scaled_probs_fused_(logits: torch.Tensor, log_normalizer: torch.Tensor, scale: torch.Tensor, inv_temp: float):
+    """Same as `_neg_scaled_probs_eager_`, for `torch.compile` (one pass, read and written in the block's dtype)."""
+    z = logits.to(_compute_dtype(logits.dtype)) * inv_temp
+    logits.copy_(torch.exp(z - log_normalizer[:, None]) * -scale[:, None])
+    return logits
+
+
+def _accumulate_(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``total += value`` (a float32 accumulator, a half-precision GEMM result). Compiled, the conversion is
+    vectorized: eager CPU `add_` across dtypes runs several times slower than within one dtype."""
+    return total.add_(value.to(total.dtype))
+
+
+_EAGER = {"stats": _softmax_stats_eager, "grad": _neg_scaled_probs_eager_, "accumulate": _accumulate_}
+_FUSED = {"stats": _softmax_stats_fused, "grad": _neg_scaled_probs_fused_, "accumulate": _accumulate_}
+_compiled: dict[str, Callable] = {}
+_compile_failed: str | None = None
+
+
+def _epilogue(name: str, compiled: bool) -> Callable:
+    """The eager kernel, or the `torch.compile`d one (built once, dynamic in the number of rows); after the first
+    failure to compile, the eager one for the rest of the process."""
+    if not compiled or _compile_failed is not None:
+        return _EAGER[name]
+    if name not in _compiled:
+        _compiled[name] = torch.compile(_FUSED[name], dynamic=True)
+    return _compiled[name]
+
+
+def _run_epilogue(name: str, compiled: bool, *args):
+    global _compile_failed
+    if compiled and _compile_failed is None:
+        try:
+            return _epilogue(name, True)(*args)
+        except Exception as error:  # no C++ compiler / Triton, an Inductor bug: the eager kernel is exact too
+            _compile_failed = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"hf_rlloss: torch.compile of the chunked-loss epilogue failed, using the eager kernels "
+                f"({_compile_failed.splitlines()[0][:300]})",
+                stacklevel=3,
+            )
+    return _EAGER[name](*args)
+
+
+def _use_compiled(compile_epilogue: bool | None, matmul_dtype: torch.dtype) -> bool:
+    return matmul_dtype in _HALF if compile_epilogue is None else bool(compile_epilogue)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One chunk
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`(n, V)` logits ``h @ weightᵀ`` (operands in the matmul dtype; float32 accumulation inside the GEMM)."""
+    logits = h @ weight.t()
+    return logits if logits.dtype in _HALF else logits.to(_compute_dtype(logits.dtype))
+
+
+def _label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`(n,)` logits of the labels: gathered from a float32/float64 block; recomputed exactly (float32 dot products of
+    the half operands) from a half block, whose rounding would otherwise go straight into ``log π(y)``."""
+    if logits.dtype not in _HALF:
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return torch.linalg.vecdot(h.float(), weight[labels].float())
+
+
 def _chunk_softmax(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
+    logits: torch.Tensor,
+    label_logits: torch.Tensor,
     temperature: float,
     with_entropy: bool,
     want_probs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk's logits turned, in their own `(n, V)` buffer, into probabilities (if `want_probs`), with
-    ``log π(label)`` `(n,)` and the entropies `(n,)` — one `exp` per element.
+    compiled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``log π(label)`` `(n,)` and the entropies `(n,)` of one chunk's logits block.
 
-    Per row block: ``m = max z``, ``e = exp(z − m)``, ``s = Σ e``; then ``log π(y) = z_y − m − log s``,
-    ``H = log s − Σ e·(z − m) / s`` and ``p = e / s``.
+    float32/float64 eager (one `exp` per element): per row block ``m = max z``, ``e = exp(z − m)``, ``s = Σ e``, then
+    ``log π(y) = z_y − m − log s``, ``H = log s − Σ e·(z − m) / s``, and with `want_probs` ``p = e / s`` is written
+    over the block. Otherwise only the statistics: the block is left as it is, and the probabilities are recomputed
+    by the gradient stage (one more `exp`, no float32 buffer).
+
+    Returns:
+        `(block, log π(y), entropy, log Z)`: ``log Z`` `(n,)` is the log-normalizer of ``logits / T``, or `None` when
+        the block now holds the probabilities.
     """
-    logits = hidden @ weight.t()
-    logits = logits.to(_compute_dtype(logits.dtype))
+    inv_temp = 1.0 / temperature
+    if compiled or logits.dtype in _HALF:
+        log_normalizer, entropy = _run_epilogue("stats", compiled, logits, inv_temp, with_entropy)
+        return logits, label_logits * inv_temp - log_normalizer, entropy, log_normalizer
     if temperature != 1.0:
         logits.div_(temperature)
-    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        label_logits = label_logits / temperature
     log_normalizer = torch.empty_like(label_logits)
     entropy = torch.empty_like(label_logits) if with_entropy else None
     for start in range(0, logits.shape[0], _ROW_BLOCK):
@@ -75,7 +244,36 @@ def _chunk_softmax(
             entropy[rows] = log_total - torch.linalg.vecdot(exps, block) / total.squeeze(-1)
         if want_probs:
             torch.div(exps, total, out=block)
-    return logits, label_logits - log_normalizer, entropy
+    return logits, label_logits - log_normalizer, entropy, None if want_probs else log_normalizer
+
+
+def _grad_logits_(
+    block: torch.Tensor,
+    log_normalizer: torch.Tensor | None,
+    labels: torch.Tensor,
+    grad_lp: torch.Tensor,
+    temperature: float,
+    compiled: bool,
+) -> torch.Tensor:
+    """In place over the chunk's block: ``∂J/∂logits = (onehot(y) − softmax(z/T)) · g / T`` with
+    ``g = ∂J/∂log π(y)`` `(n,)`; the block holds the probabilities when `log_normalizer` is `None`, else the logits."""
+    scale = (grad_lp / temperature if temperature != 1.0 else grad_lp).to(_compute_dtype(block.dtype))
+    if log_normalizer is None:
+        block.mul_(-scale.unsqueeze(-1))
+    else:
+        _run_epilogue("grad", compiled, block, log_normalizer, scale, 1.0 / temperature)
+    # + g/T at each row's label: indexing, not scatter_add_ (which is pathologically slow on CPU half tensors)
+    rows = torch.arange(block.shape[0], device=block.device)
+    block[rows, labels] += scale.to(block.dtype)
+    return block
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor, matmul_dtype: torch.dtype | None) -> torch.dtype:
+    """The GEMMs' operand dtype: `matmul_dtype`, else the inputs' common dtype."""
+    dtype = matmul_dtype or torch.promote_types(hidden.dtype, weight.dtype)
+    if not dtype.is_floating_point:
+        raise ValueError(f"matmul_dtype must be a floating-point dtype; got {dtype}")
+    return dtype
 
 
 @torch.no_grad()
@@ -87,6 +285,8 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    matmul_dtype: torch.dtype | None = None,
+    compile_epilogue: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and optionally the full-vocabulary entropy) under ``softmax(hidden @ weightᵀ / T)``.
 
@@ -95,22 +295,33 @@ def chunked_logprobs(
         weight (`torch.Tensor`): `(V, H)` LM-head weight.
         labels (`torch.Tensor`): `(N,)` token ids in `[0, V)`.
         temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it.
-        chunk_size (`int`, *optional*): tokens per chunk (peak memory ≈ `chunk_size × V × 4` bytes); defaults to
-            `default_chunk_size(V)`.
+        chunk_size (`int`, *optional*): tokens per chunk (peak memory ≈ `chunk_size × V` logits in the matmul dtype);
+            defaults to `default_chunk_size(V, matmul_dtype)`.
         with_entropy (`bool`, *optional*, defaults to `False`): also return the entropy of each token's distribution.
+        matmul_dtype (`torch.dtype`, *optional*): dtype of the GEMM operands (e.g. `torch.bfloat16` under bf16
+            mixed precision); defaults to the common dtype of `hidden` and `weight`. See the module docstring.
+        compile_epilogue (`bool`, *optional*): `torch.compile` the softmax statistics; defaults to on for
+            half-precision matmuls only. Falls back to the eager kernel if compilation fails.
 
     Returns:
-        `(torch.Tensor, torch.Tensor | None)`: `(N,)` float32 log-probs and `(N,)` entropies (or `None`).
+        `(torch.Tensor, torch.Tensor | None)`: `(N,)` float32 (float64 for float64 inputs) log-probs and `(N,)`
+        entropies (or `None`).
     """
     n = labels.shape[0]
-    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
-    dtype = _compute_dtype(hidden.dtype)
-    logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
-    entropy = torch.empty(n, dtype=dtype, device=hidden.device) if with_entropy else None
+    dtype = _matmul_dtype(hidden, weight, matmul_dtype)
+    w = weight.to(dtype)  # cast once per call, not per chunk
+    compiled = _use_compiled(compile_epilogue, dtype)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0], dtype)
+    out_dtype = _compute_dtype(dtype)
+    logprobs = torch.empty(n, dtype=out_dtype, device=hidden.device)
+    entropy = torch.empty(n, dtype=out_dtype, device=hidden.device) if with_entropy else None
     for start in range(0, n, chunk_size):
         sl = slice(start, min(start + chunk_size, n))
-        _, logprobs[sl], chunk_entropy = _chunk_softmax(
-            hidden[sl], weight, labels[sl], temperature, with_entropy, want_probs=False
+        h = hidden[sl].to(dtype)
+        logits = _chunk_logits(h, w)
+        label_logits = _label_logits(h, w, labels[sl], logits)
+        _, logprobs[sl], chunk_entropy, _ = _chunk_softmax(
+            logits, label_logits, temperature, with_entropy, want_probs=False, compiled=compiled
         )
         if entropy is not None:
             entropy[sl] = chunk_entropy
@@ -119,40 +330,45 @@ def chunked_logprobs(
 
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics_out):
+    def forward(
+        ctx, hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics_out, dtype, compiled
+    ):
         n = labels.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(dtype)  # cast once per call, not per chunk
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         # Accumulate the head gradient in float32 whatever the weight's dtype: it sums over every token.
-        dtype = _compute_dtype(hidden.dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        total = torch.zeros((), dtype=dtype, device=hidden.device)
+        acc_dtype = _compute_dtype(dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
-            h = hidden[sl]
-            probs, token_logprobs, entropy = _chunk_softmax(
-                h, weight, labels[sl], temperature, with_entropy, want_probs=need_h or need_w
+            h = hidden[sl].to(dtype)
+            # 1. logits (n, V) and the softmax statistics
+            logits = _chunk_logits(h, w)
+            label_logits = _label_logits(h, w, labels[sl], logits)
+            block, token_logprobs, entropy, log_normalizer = _chunk_softmax(
+                logits, label_logits, temperature, with_entropy, want_probs=need_h or need_w, compiled=compiled
             )
+            # 2. the objective and its gradient w.r.t. the chunk's log-probs (autograd on an (n,) vector)
             with torch.enable_grad():
                 lp = token_logprobs.detach().requires_grad_(True)
                 value, metrics = objective(lp, sl, entropy)
                 (grad_lp,) = torch.autograd.grad(value, lp, allow_unused=True)
-            total += value.detach().to(dtype)
+            total += value.detach().to(acc_dtype)
             accumulate_metrics(metrics_out, metrics)
             if grad_lp is None or not (need_h or need_w):
                 continue
-            # d log π(y) / d logits = onehot(y) − softmax; reuse the probability buffer for the logits' gradient.
-            grad_logits = probs.mul_(-grad_lp.unsqueeze(-1))
-            grad_logits.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_lp.unsqueeze(-1))
-            if temperature != 1.0:
-                grad_logits.div_(temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
+            # 3. d log π(y) / d logits = onehot(y) − softmax, written over the block (in the matmul dtype)
+            grad_logits = _grad_logits_(block, log_normalizer, labels[sl], grad_lp, temperature, compiled)
+            grad_logits = grad_logits.to(dtype)
+            # 4. the two gradient GEMMs
             if need_h:
-                grad_hidden[sl] = grad_logits @ weight
-            if need_w and h.dtype == grad_weight.dtype:
+                grad_hidden[sl] = grad_logits @ w
+            if need_w and dtype == acc_dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
             elif need_w:
-                grad_weight.add_((grad_logits.t() @ h).to(grad_weight.dtype))
+                _run_epilogue("accumulate", compiled, grad_weight, grad_logits.t() @ h)
         # Kept as attributes, not saved tensors: backward hands them over without a copy (they are not inputs or
         # outputs, so there is no version counter to check).
         ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_w else None)
@@ -168,7 +384,7 @@ class _ChunkedObjective(torch.autograd.Function):
             )
         if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
             grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None
 
 
 def chunked_objective(
@@ -180,6 +396,8 @@ def chunked_objective(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    matmul_dtype: torch.dtype | None = None,
+    compile_epilogue: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Value of ``Σ_chunks objective(log π(labels[chunk]), chunk, entropy[chunk])``, differentiable w.r.t. ``hidden``
     and ``weight``, computed chunk by chunk with the gradients taken during the forward.
@@ -191,12 +409,17 @@ def chunked_objective(
         objective (`Callable`): `(logprobs (n,), chunk slice, entropy (n,) or None) -> (scalar, metrics)`; it must be
             separable over tokens (a chunk's value may depend only on that chunk's log-probs). Metrics (detached
             0-dim tensors) are summed over chunks.
-        temperature, chunk_size, with_entropy: see `chunked_logprobs`.
+        temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue: see `chunked_logprobs`. The gradients
+            come back in the dtypes of `hidden` and `weight`, whatever `matmul_dtype`.
 
     Returns:
-        `(torch.Tensor, dict)`: the scalar objective and the summed metrics.
+        `(torch.Tensor, dict)`: the scalar objective (float32, float64 for float64 inputs) and the summed metrics.
     """
     metrics: dict[str, torch.Tensor] = {}
-    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
-    value = _ChunkedObjective.apply(hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics)
+    dtype = _matmul_dtype(hidden, weight, matmul_dtype)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0], dtype)
+    compiled = _use_compiled(compile_epilogue, dtype)
+    value = _ChunkedObjective.apply(
+        hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics, dtype, compiled
+    )
     return value, metrics

@@ -116,8 +116,13 @@ class BaseRLLossConfig(BaseModel):
             the maximum completion length; required by that mode.
         ignore_idx (`int`, *optional*, defaults to `-100`): label of positions without loss.
         chunk_size (`int`, *optional*): tokens per chunk when the loss is computed from hidden states; peak extra
-            memory is about `chunk_size × vocab × 4` bytes. Defaults to a power of two keeping that near 128 MB
-            (512 tokens at a 49k vocabulary, 256 at 152k; see `default_chunk_size`).
+            memory is about `chunk_size × vocab` logits (4 bytes each, 2 in half precision). Defaults to a power of
+            two keeping that near 128 MB (float32: 512 tokens at a 49k vocabulary, 256 at 152k; half precision: twice
+            that; see `default_chunk_size`).
+        compile_epilogue (`bool`, *optional*): `torch.compile` the elementwise passes of the chunked loss (softmax
+            statistics, logits' gradient) into fused kernels. Defaults to on when the head GEMMs run in bf16/fp16
+            (where those passes dominate) and off in float32; falls back to eager kernels with a warning if
+            compilation fails. The first call compiles (seconds to a minute on CPU).
         compute_entropy (`bool`, *optional*, defaults to `True`): log the full-vocabulary entropy when the loss is
             computed from hidden states.
         nonfinite_inputs (`str`, *optional*, defaults to `"error"`): what to do with NaN/±inf at valid tokens of
@@ -139,6 +144,7 @@ class BaseRLLossConfig(BaseModel):
     loss_scale_factor: float | None = Field(None, gt=0)
     ignore_idx: int = -100
     chunk_size: int | None = Field(None, gt=0)
+    compile_epilogue: bool | None = None
     compute_entropy: bool = True
     nonfinite_inputs: Literal["error", "mask"] = "error"
     rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)

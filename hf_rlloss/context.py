@@ -161,6 +161,7 @@ class BaseRLLossContext:
         self.grad_scale: float | None = None  # set by build_batches
         self.seq_token_counts: torch.Tensor | None = None  # valid tokens per whole sequence, set by build_batches
         self.pending_metrics: dict[str, Any] = {}  # metrics of the preparation, emitted by the first call
+        self.deferred_rollout_is_mask: torch.Tensor | None = None  # set by defer_rollout_is
 
     @property
     def mask(self) -> torch.Tensor:
@@ -193,20 +194,60 @@ class BaseRLLossContext:
             bad = int((mask & ~torch.isfinite(kw.old_logprobs)).sum())
             if bad:
                 raise ValueError(f"old_logprobs has {bad} non-finite value(s) at valid tokens")
-        weights, keep, metrics = compute_rollout_is(
+        weights, keep, metrics = self._rollout_is(kw.old_logprobs, mask)
+        kw.shifted_labels = kw.shifted_labels.masked_fill(mask & ~keep, self.loss_cfg.ignore_idx)
+        if weights is not None:
+            weights = weights.to(torch.float32)
+            kw.rollout_is_weights = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
+        self.pending_metrics = accumulate_metrics(self.pending_metrics, metrics)
+        return metrics
+
+    def _rollout_is(self, old_logprobs: torch.Tensor, mask: torch.Tensor):
+        kw = self.loss_kwargs
+        return compute_rollout_is(
             self.loss_cfg.rollout_is,
-            kw.old_logprobs,
+            old_logprobs,
             kw.rollout_logprobs,
             mask,
             kw.seq_ids,
             kw.num_sequences,
             sp_mesh=self.sp_mesh,
         )
-        kw.shifted_labels = kw.shifted_labels.masked_fill(mask & ~keep, self.loss_cfg.ignore_idx)
-        if weights is not None:
-            weights = weights.to(torch.float32)
-            kw.rollout_is_weights = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
-        self.pending_metrics = accumulate_metrics(self.pending_metrics, metrics)
+
+    def defer_rollout_is(self) -> None:
+        """Metrics-only rollout IS of an on-policy micro-batch, with `old_logprobs` taken from the loss's own forward.
+
+        When the micro-batch is trained on-policy (the policy has not been updated since generation), the old
+        log-probs are the detached log-probs of the training forward: no separate no-grad pass is needed. The
+        mismatch metrics are then computed by the loss call (`__call__`) from those log-probs, equal to what
+        `compute_rollout_is` gives with the old log-probs of a no-grad pass. Tokens with a non-finite rollout log-prob
+        are rejected now (before `build_batches`), as `compute_rollout_is` would. Needs `rollout_logprobs`, no
+        `old_logprobs` and metrics-only IS (weights must exist before `build_batches`); under SP the loss call
+        makes the IS all-reduce over the SP group.
+        """
+        kw = self.loss_kwargs
+        if kw.rollout_logprobs is None:
+            raise ValueError("defer_rollout_is needs rollout_logprobs (the generation engine's log-probs)")
+        if kw.old_logprobs is not None:
+            raise ValueError("defer_rollout_is is for micro-batches without old_logprobs: call compute_rollout_is")
+        if self.loss_cfg.rollout_is.enabled:
+            raise ValueError(
+                "rollout IS with weights or rejection (rollout_is.upper set) needs old_logprobs before build_batches: "
+                "compute them and call compute_rollout_is"
+            )
+        mask = self.mask
+        self.deferred_rollout_is_mask = mask
+        # Metrics-only IS rejects exactly the tokens with a non-finite log-prob; the loss's own are finite (or it
+        # raises), so only the rollout's can be.
+        rejected = mask & ~torch.isfinite(kw.rollout_logprobs)
+        kw.shifted_labels = kw.shifted_labels.masked_fill(rejected, self.loss_cfg.ignore_idx)
+
+    def _deferred_rollout_is_metrics(self, index: torch.Tensor, token_logprobs: torch.Tensor) -> dict[str, Any]:
+        """The metrics of `defer_rollout_is` from the `(N,)` detached log-probs at the flat valid positions `index`."""
+        mask, self.deferred_rollout_is_mask = self.deferred_rollout_is_mask, None
+        old = torch.full(mask.shape, float("nan"), dtype=token_logprobs.dtype, device=token_logprobs.device)
+        old.view(-1)[index] = token_logprobs  # NaN only where the rollout's log-prob is non-finite too
+        _, _, metrics = self._rollout_is(old, mask)
         return metrics
 
     def _objective(self, logprobs, sl, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -244,6 +285,7 @@ class BaseRLLossContext:
         hidden_states: torch.Tensor | None = None,
         head_weight: torch.Tensor | None = None,
         temperature: float = 1.0,
+        matmul_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of this micro-batch, from per-token log-probs or from hidden states and the LM-head weight.
 
@@ -253,6 +295,9 @@ class BaseRLLossContext:
                 log-probs are then computed in chunks of `chunk_size` tokens without materializing the logits.
             head_weight (`torch.Tensor`, *optional*): `(V, H)` LM-head weight (with `hidden_states`).
             temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (the sampling temperature).
+            matmul_dtype (`torch.dtype`, *optional*): dtype of the head GEMMs' operands (e.g. `torch.bfloat16` under
+                bf16 mixed precision with float32 weights); defaults to the common dtype of `hidden_states` and
+                `head_weight`. Gradients come back in their own dtypes (see `hf_rlloss.chunked_logprobs`).
 
         Returns:
             `(loss, metrics)`: the scalar to call `backward()` on (already multiplied by the number of ranks that
@@ -280,6 +325,7 @@ class BaseRLLossContext:
             if spec.sequence_statistic is not None:
                 seq_mean = self._sequence_mean(self._statistic(token_logprobs.detach(), tokens), tokens["seq_ids"])
             loss, metrics = self._objective(token_logprobs, slice(None), None, tokens, seq_mean)
+            detached = token_logprobs.detach()
         else:
             if head_weight is None:
                 raise ValueError("hidden_states=... needs head_weight=... (the (V, H) LM-head weight)")
@@ -302,10 +348,17 @@ class BaseRLLossContext:
                     tokens["shifted_labels"],
                     temperature=temperature,
                     chunk_size=self.loss_cfg.chunk_size,
+                    matmul_dtype=matmul_dtype,
+                    compile_epilogue=self.loss_cfg.compile_epilogue,
                 )
                 seq_mean = self._sequence_mean(self._statistic(token_logprobs, tokens), tokens["seq_ids"])
 
+            deferred = self.deferred_rollout_is_mask is not None
+            detached = torch.empty(index.shape, dtype=torch.float64, device=hidden.device) if deferred else None
+
             def objective(lp, sl, entropy):
+                if detached is not None:  # the old log-probs of an on-policy micro-batch (defer_rollout_is)
+                    detached[sl] = lp.detach()
                 return self._objective(lp, sl, entropy, tokens, seq_mean)
 
             loss, metrics = chunked_objective(
@@ -316,8 +369,12 @@ class BaseRLLossContext:
                 temperature=temperature,
                 chunk_size=self.loss_cfg.chunk_size,
                 with_entropy=self.loss_cfg.compute_entropy,
+                matmul_dtype=matmul_dtype,
+                compile_epilogue=self.loss_cfg.compile_epilogue,
             )
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
+        if self.deferred_rollout_is_mask is not None:
+            accumulate_metrics(metrics, self._deferred_rollout_is_metrics(index, detached))
         if self.pending_metrics:
             accumulate_metrics(metrics, self.pending_metrics)
             self.pending_metrics = {}

@@ -238,7 +238,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
     trainer records the log-probs of the sampled tokens under the processed sampling distribution
     (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
-    log-probs are then always computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches`.
+    log-probs are then computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches` — except
+    when every micro-batch is on-policy and rollout IS is metrics-only (`_old_logps_from_loss`): the old log-probs are
+    then the detached log-probs of the training forward, and the mismatch metrics are computed in the loss from them,
+    saving one no-grad forward per generation batch.
 
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.
@@ -638,13 +641,22 @@ class RLLossGRPOTrainer(GRPOTrainer):
             weight = weight.full_tensor()
         return weight
 
-    def _head_inputs(self, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head_inputs(
+        self, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
+        """The LM head's operands and the dtype its GEMMs run in: float32 with `cast_lm_head_to_fp32` (TRL's opt-in);
+        the mixed-precision dtype under bf16/fp16 (the chunked kernel casts its operands, and the gradients come back
+        in the dtypes of the hidden states and the weight, e.g. float32 master weights); otherwise their common dtype
+        (float32 training is unchanged)."""
         if self.args.cast_lm_head_to_fp32:
-            return hidden.float(), weight.float()
+            return hidden.float(), weight.float(), torch.float32
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
+        if half is not None:
+            return hidden, weight, half
         if hidden.dtype != weight.dtype:
             dtype = torch.promote_types(hidden.dtype, weight.dtype)
-            return hidden.to(dtype), weight.to(dtype)
-        return hidden, weight
+            return hidden.to(dtype), weight.to(dtype), None
+        return hidden, weight, None
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
         """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper.
@@ -675,9 +687,15 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """`(N,)` log-probs of `labels` from `(N, H)` hidden states through the LM head, chunked, without gradient."""
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
-            h, w = self._head_inputs(hidden, weight)
+            h, w, matmul_dtype = self._head_inputs(hidden, weight)
             logps, _ = chunked_logprobs(
-                h, w, labels, temperature=self._loss_temperature, chunk_size=self.rl_loss_config.chunk_size
+                h,
+                w,
+                labels,
+                temperature=self._loss_temperature,
+                chunk_size=self.rl_loss_config.chunk_size,
+                matmul_dtype=matmul_dtype,
+                compile_epilogue=self.rl_loss_config.compile_epilogue,
             )
         return logps
 
@@ -833,7 +851,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 batch = super()._generate_and_score_completions(inputs)
             batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
             old_logps_deferred = self._sp_deferred_old_logps
-        needs_old = old_logps_deferred or batch.get("sampling_per_token_logps") is not None
+        needs_old = old_logps_deferred or (
+            batch.get("sampling_per_token_logps") is not None and not self._old_logps_from_loss
+        )
         if needs_old and batch.get("old_per_token_logps") is None:
             # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update.
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -847,6 +867,23 @@ class RLLossGRPOTrainer(GRPOTrainer):
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
+
+    @property
+    def _old_logps_from_loss(self) -> bool:
+        """Whether the mismatch metrics take the old log-probs from the training forward instead of a no-grad pass.
+
+        True when every micro-batch is trained on-policy (`num_iterations == 1` and `steps_per_generation ==
+        gradient_accumulation_steps`: the policy is not updated between generation and the loss) and rollout IS is
+        metrics-only: the old log-probs are then the detached log-probs of the training forward, and the loss context
+        computes the metrics from them (`defer_rollout_is`), which saves one forward of the generation batch per step.
+        Not under sequence parallelism (which keeps the no-grad pass).
+        """
+        return (
+            self.sp_mesh is None
+            and self.num_iterations == 1
+            and self.args.steps_per_generation == self.args.gradient_accumulation_steps
+            and not self.rl_loss_config.rollout_is.enabled
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss contexts
@@ -887,6 +924,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
             raise ValueError("build_loss_data must give shifted_labels and advantages")
         if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
             ctx.compute_rollout_is()
+        elif ctx.loss_kwargs.rollout_logprobs is not None and self._old_logps_from_loss:
+            ctx.defer_rollout_is()  # on-policy: the mismatch metrics come from the loss's own forward
         return ctx
 
     def _sp_pack_loss_data(self, data: dict[str, Any], packed: PackedRows, shape: tuple[int, int]) -> dict[str, Any]:
@@ -952,8 +991,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
             hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
-            hidden, weight = self._head_inputs(hidden, weight)
-            return ctx(hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature)
+            hidden, weight, matmul_dtype = self._head_inputs(hidden, weight)
+            return ctx(
+                hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
+            )
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"

@@ -251,7 +251,9 @@ class RLLossGRPOConfig(GRPOConfig):
             "help": "With HF generate: record the log-probs of the sampled tokens under the processed sampling "
             "distribution, so that rollout importance sampling (rl_loss.rollout_is) and the training-inference "
             "mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per generation batch when "
-            "old log-probs are not needed anyway. vLLM and rollout_func provide their own log-probs."
+            "old log-probs are not needed anyway, unless training is on-policy (num_iterations=1, "
+            "steps_per_generation=gradient_accumulation_steps) and rollout IS metrics-only: the metrics then use the "
+            "training forward's log-probs. vLLM and rollout_func provide their own log-probs."
         },
     )
     sp_size: int = field(

@@ -1,5 +1,7 @@
 """The context's contract: layouts, the chunked hidden-state path, bad input, empty micro-batches."""
 
+import sys
+
 import pytest
 import torch
 import yaml
@@ -364,4 +366,148 @@ def test_default_chunk_size_keeps_the_block_near_128_mb():
     from hf_rlloss.chunked_logprobs import default_chunk_size
 
     assert [default_chunk_size(v) for v in (49152, 151936, 32000, 64, 10**7)] == [512, 256, 1024, 2048, 64]
+    assert [default_chunk_size(v, torch.bfloat16) for v in (49152, 151936)] == [1024, 512]  # half the bytes
     assert GRPOLossConfig().chunk_size is None  # resolved from the head weight's vocabulary at call time
+
+
+# ---------------------------------------------------------------------------------------------------- half precision
+
+_HALF_CASES = {
+    # name: (input dtype, matmul dtype, log-prob tolerance as a fraction of max |logit / T|, gradient tolerance
+    # (relative, in norm)). Rounding a logit z to bf16 (fp16) moves it by at most 2⁻⁸|z| (2⁻¹¹|z|), and the
+    # log-normalizer is a softmax-weighted mean of those moves; float32 weights add their own rounding to bf16.
+    "bf16": (torch.bfloat16, None, 2**-8, 1e-2),
+    "fp16": (torch.float16, None, 2**-11, 2e-3),
+    "fp32 weights, bf16 GEMMs": (torch.float32, torch.bfloat16, 2 * 2**-8, 1.2e-2),
+}
+
+
+def _half_problem(tokens=192, vocab=2048, hidden=64, seed=0):
+    """Realistic logits (std ≈ 3.5 at T = 0.8): the bf16 rounding of the logits grows with their magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g) / hidden**0.5
+    w = torch.randn(vocab, hidden, generator=g) * 2.8
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    coef = torch.randn(tokens, generator=g, dtype=torch.float64)
+
+    def objective(lp, sl, entropy):  # policy-gradient-like, sensitive to the log-probs' values
+        lp = lp.double()
+        return (coef[sl] * lp + 0.05 * lp.square()).sum() / tokens, {}
+
+    return h, w, labels, objective
+
+
+def _run_chunked(h, w, labels, objective, **kwargs):
+    h, w = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    value, _ = chunked_objective(h, w, labels, objective, temperature=0.8, chunk_size=80, **kwargs)
+    value.backward()
+    kwargs.pop("with_entropy", None)
+    lp, entropy = chunked_logprobs(
+        h.detach(), w.detach(), labels, temperature=0.8, chunk_size=80, with_entropy=True, **kwargs
+    )
+    return value.detach(), lp, entropy, h.grad, w.grad
+
+
+@pytest.mark.parametrize("case", list(_HALF_CASES))
+def test_half_path_matches_float64(case):
+    """bf16/fp16 GEMMs: float32 statistics and outputs, gradients in the inputs' dtypes, errors against float64 on
+    the same inputs within the tolerances stated in `hf_rlloss.chunked_logprobs`."""
+    dtype, matmul_dtype, lp_rel, grad_tol = _HALF_CASES[case]
+    h, w, labels, objective = _half_problem()
+    h, w = h.to(dtype), w.to(dtype)
+    lp_tol = lp_rel * float((h.double() @ w.double().t()).abs().max()) / 0.8 + 1e-5
+    value, lp, entropy, grad_h, grad_w = _run_chunked(
+        h, w, labels, objective, matmul_dtype=matmul_dtype, compile_epilogue=False
+    )
+    ref = _run_chunked(h.double(), w.double(), labels, objective)
+    assert lp.dtype == entropy.dtype == torch.float32 and (grad_h.dtype, grad_w.dtype) == (dtype, dtype)
+    assert float((lp.double() - ref[1]).abs().max()) < lp_tol
+    assert float((entropy.double() - ref[2]).abs().max()) < 2 * lp_tol
+    assert abs(float(value) - float(ref[0])) < 1e-3 * abs(float(ref[0]))
+    for grad, ref_grad in ((grad_h, ref[3]), (grad_w, ref[4])):
+        assert float((grad.double() - ref_grad).norm() / ref_grad.norm()) < grad_tol
+    # float32 is unchanged: tight
+    f32 = _run_chunked(h.float(), w.float(), labels, objective)
+    torch.testing.assert_close(f32[1].double(), ref[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_epilogue_equals_the_eager_one(dtype):
+    h, w, labels, objective = _half_problem(tokens=200)  # 200 = 2 full chunks + a partial one: dynamic rows
+    eager = _run_chunked(h.to(dtype), w.to(dtype), labels, objective, compile_epilogue=False)
+    compiled = _run_chunked(h.to(dtype), w.to(dtype), labels, objective, compile_epilogue=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the gradient block is rounded after different math
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a.double(), b.double(), atol=tol * float(a.abs().max()), rtol=0)
+
+
+def test_compile_failure_falls_back_to_the_eager_epilogue(monkeypatch):
+    kernel = sys.modules["hf_rlloss.chunked_logprobs"]
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(kernel, "_compiled", {})
+    monkeypatch.setattr(kernel, "_compile_failed", None)
+    monkeypatch.setattr(kernel.torch, "compile", broken_compile)
+    h, w, labels, objective = _half_problem(tokens=64, vocab=512)
+    h, w = h.bfloat16(), w.bfloat16()
+    with pytest.warns(UserWarning, match="torch.compile of the chunked-loss epilogue failed"):
+        fallback = _run_chunked(h, w, labels, objective, compile_epilogue=True)
+    assert "no C++ compiler" in kernel._compile_failed
+    eager = _run_chunked(h, w, labels, objective, compile_epilogue=False)
+    for a, b in zip(fallback, eager):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------- on-policy IS
+
+
+@pytest.mark.parametrize("path", ["logprobs", "hidden"])
+def test_deferred_rollout_is_equals_compute_rollout_is_with_the_detached_logprobs(path):
+    """On-policy, metrics-only rollout IS from the loss's own log-probs (defer_rollout_is) = compute_rollout_is with
+    old_logprobs set to those log-probs; non-finite rollout log-probs are rejected before build_batches in both."""
+    step = make_step(seed=3)
+    labels = step["labels"]
+    rollout = logprobs_of(step["h"], step["w"], labels).detach() + 0.1 * torch.randn(labels.shape, dtype=torch.float64)
+    rollout[0, 1], rollout[2, 0] = float("nan"), float("-inf")
+    cfg = GRPOLossConfig(use_kl_loss=True, kl_loss_type="k3")
+    data = {"shifted_labels": labels, "advantages": step["advantages"], "ref_logprobs": step["ref"]}
+    results = []
+    for deferred in (True, False):
+        w = step["w"].clone().requires_grad_(True)
+        lp = logprobs_of(step["h"], w, labels)
+        ctx = cfg.build({**data, "rollout_logprobs": rollout})
+        if deferred:
+            ctx.defer_rollout_is()
+        else:
+            ctx.loss_kwargs.old_logprobs = lp.detach()
+            ctx.compute_rollout_is()
+        GRPOLossContext.build_batches([ctx])
+        if path == "logprobs":
+            loss, metrics = ctx(logprobs=lp)
+        else:
+            loss, metrics = ctx(hidden_states=step["h"], head_weight=w)
+        results.append((loss.detach(), torch.autograd.grad(loss, w)[0], finalize_train_policy_metrics(metrics)))
+    (loss_a, grad_a, m_a), (loss_b, grad_b, m_b) = results
+    assert m_a["rollout_is/nonfinite_tokens"] == 2 and "mismatch/mismatch_kl" in m_a
+    assert m_a.keys() == m_b.keys()
+    for key in m_a:
+        assert m_a[key] == pytest.approx(m_b[key], rel=1e-9, abs=1e-12), key
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(grad_a, grad_b, atol=1e-12, rtol=1e-12)
+
+
+def test_defer_rollout_is_needs_metrics_only_is_and_no_old_logprobs():
+    step = make_step(seed=4)
+    data = {"shifted_labels": step["labels"], "advantages": step["advantages"], "rollout_logprobs": step["old"]}
+    with pytest.raises(ValueError, match="needs old_logprobs before build_batches"):
+        GRPOLossConfig(rollout_is={"upper": 2.0}).build(data).defer_rollout_is()
+    with pytest.raises(ValueError, match="call compute_rollout_is"):
+        GRPOLossConfig().build({**data, "old_logprobs": step["old"]}).defer_rollout_is()
+    with pytest.raises(ValueError, match="needs rollout_logprobs"):
+        GRPOLossConfig().build({k: v for k, v in data.items() if k != "rollout_logprobs"}).defer_rollout_is()

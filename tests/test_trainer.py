@@ -474,3 +474,85 @@ def test_model_given_as_a_path_with_kl(tok, tmp_path):
     trainer.train()
     logs = _step_logs(trainer)
     assert logs[0]["train_policy/ref_kl"] == pytest.approx(0.0, abs=1e-6) and logs[1]["train_policy/ref_kl"] > 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Precision of the LM head
+
+
+@pytest.mark.parametrize(
+    "bf16, cast_lm_head_to_fp32, expected",
+    [(True, False, torch.bfloat16), (True, True, torch.float32), (False, False, torch.float32)],
+)
+def test_head_gemm_dtype_follows_the_mixed_precision(tok, tmp_path, monkeypatch, bf16, cast_lm_head_to_fp32, expected):
+    """Under bf16 autocast the head GEMMs of the loss and of the no-grad old/reference passes run in bf16 (float32
+    weights, float32 gradients), unless cast_lm_head_to_fp32; float32 training stays float32."""
+    kernel = sys.modules["hf_rlloss.chunked_logprobs"]  # the module (the package exports a function of that name)
+    seen = []
+    original = kernel._chunk_logits
+
+    def spy(h, w):
+        seen.append((h.dtype, w.dtype))
+        return original(h, w)
+
+    monkeypatch.setattr(kernel, "_chunk_logits", spy)
+    rl_loss = {"use_kl_loss": True, "kl_loss_type": "k3", "compile_epilogue": False}
+    args = _config(
+        tmp_path,
+        max_steps=1,
+        num_iterations=2,  # old log-probs pass
+        bf16=bf16,
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        rl_loss=rl_loss,
+        optim="sgd",
+    )
+    trainer, before, after = _train(tok, args, ref_model=make_model(tok, seed=1))
+    assert set(seen) == {(expected, expected)}, seen
+    # old + reference passes of the generation batch, then the loss of the micro-batch
+    assert len(seen) >= 3
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(torch.isfinite(after[k]).all() and not torch.equal(before[k], after[k]) for k in before)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# On-policy: the mismatch metrics from the training forward, without the no-grad old log-probs pass
+
+
+def _count_calls(monkeypatch, obj, name: str) -> list[int]:
+    calls, original = [], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_on_policy_mismatch_metrics_skip_the_old_logprobs_forward(tok, tmp_path, monkeypatch):
+    """num_iterations=1, steps_per_generation == gradient_accumulation_steps, metrics-only rollout IS: the old
+    log-probs are the training forward's, so no no-grad pass runs; logged metrics and parameters are identical to
+    the run that computes them with a no-grad pass (same seed, same sampled completions)."""
+    runs = {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(RLLossGRPOTrainer, "_old_logps_from_loss", property(lambda self: False))
+        args = _config(
+            tmp_path / str(skip), max_steps=2, gradient_accumulation_steps=2, temperature=0.7, top_k=5, optim="sgd"
+        )
+        trainer = RLLossGRPOTrainer(
+            make_model(tok), [reward_length], args=args, train_dataset=make_dataset(), processing_class=tok
+        )
+        passes = _count_calls(monkeypatch, trainer, "compute_per_token_logps")
+        trainer.train()
+        runs[skip] = (_step_logs(trainer), trainable_snapshot(trainer.model), len(passes))
+    (skip_logs, skip_params, skip_passes), (full_logs, full_params, full_passes) = runs[True], runs[False]
+    assert skip_passes == 0 and full_passes == 2  # one no-grad pass per generation batch, only without the skip
+    assert all(log["mismatch/mismatch_kl"] > 1e-3 for log in skip_logs)  # top-k: a real mismatch is measured
+    for skip_log, full_log in zip(skip_logs, full_logs, strict=True):
+        assert set(skip_log) == set(full_log)
+        assert {"mismatch/mismatch_k3_kl", "rollout_is/mean", "train_policy/kl1", "loss"} <= set(full_log)
+        different = {k: (skip_log[k], full_log[k]) for k in full_log if skip_log[k] != full_log[k]}
+        assert set(different) <= {"step_time"}, different  # wall-clock time only
+    for name, value in full_params.items():
+        assert torch.equal(skip_params[name], value), name
