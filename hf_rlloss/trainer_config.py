@@ -217,6 +217,16 @@ class RLLossGRPOConfig(GRPOConfig):
             "old log-probs are not needed anyway. vLLM and rollout_func provide their own log-probs."
         },
     )
+    rollout_logprobs_support: str = field(
+        default="full",
+        metadata={
+            "help": "The support on which rollout IS and the mismatch metrics compare the rollout's log-probs with "
+            "the trainer's under truncated sampling (top_k/top_p/min_p): 'full' (the whole vocabulary: HF generate "
+            "records the log-prob before truncation) or 'sampled' (the truncated support: the trainer's log-prob is "
+            "renormalized by the mass its replayed truncation keeps). vLLM and rollout_func report log-probs on the "
+            "sampled support, which is then always used. Without truncation both are the same."
+        },
+    )
     sp_size: int = field(
         default=1,
         metadata={
@@ -241,6 +251,8 @@ class RLLossGRPOConfig(GRPOConfig):
                 self.rl_loss = json.loads(self.rl_loss)
             except json.JSONDecodeError as err:
                 raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
+        if self.rollout_logprobs_support not in ("full", "sampled"):
+            raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
         if self.rl_loss is not None and not isinstance(self.rl_loss, dict):
             raise ValueError(f"rl_loss must be a mapping; got {type(self.rl_loss).__name__}")
         if self.sp_size > 1:
