@@ -1101,6 +1101,20 @@ class RLLossGRPOTrainer(GRPOTrainer):
             loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
         return loss
 
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        # Trainer averages the per-rank losses gathered with `gather_for_metrics`, which drops the values of the last
+        # batch past the dataset's length; with GRPO's repeated prompts those are real completions (other ranks'
+        # shares, or the last batch's), so `eval_loss` leaned towards rank 0 and the first batches. Report instead
+        # the mean over evaluation batches of each batch's loss over all ranks (normalized like a training step):
+        # the `loss/total` values already reduced across ranks by `_log_rl_metrics`.
+        losses = self._metrics["eval"].get("loss/total")
+        if losses:
+            output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
+        return output
+
     def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
         for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():

@@ -502,3 +502,35 @@ def test_model_given_as_a_path_with_kl(tok, tmp_path):
     trainer.train()
     logs = _step_logs(trainer)
     assert logs[0]["train_policy/ref_kl"] == pytest.approx(0.0, abs=1e-6) and logs[1]["train_policy/ref_kl"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_eval_loss_on_two_processes_is_the_global_loss(tmp_path):
+    """The same evaluation batches (16 completions: 1 rank × 16, or 2 ranks × 8 whole groups) give the same eval_loss.
+
+    Before the fix, Trainer's `gather_for_metrics` dropped the values of the last batch past the 8-prompt dataset
+    length (rank 1's share of it on 2 ranks; half of it on one), so eval_loss was a skewed mean. Now it is the mean
+    over the batches of each batch's loss over all ranks, which the loss layer also reports as `eval_loss/total`.
+    """
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not available")
+    script = os.path.join(HERE, "dist_trainer_script.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    port = str(_free_port())
+    runs = {
+        "one": [sys.executable, script, "--per-device-batch-size", "16"],
+        "two": ["torchrun", "--nproc_per_node", "2", "--master_port", port, script, "--per-device-batch-size", "8"],
+    }
+    metrics = {}
+    for name, cmd in runs.items():
+        out = tmp_path / f"{name}.pt"
+        returncode, stderr = _run_with_timeout([*cmd, "--eval-only", "--out", str(out)], env, tmp_path, timeout=300)
+        assert returncode == 0, stderr[-4000:]
+        metrics[name] = torch.load(out)["metrics"]
+    one, two = metrics["one"], metrics["two"]
+    assert one["eval_train_policy/valid_tokens"] == two["eval_train_policy/valid_tokens"]  # the same batches
+    assert one["eval_loss"] != 0.0
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-6)
+    for run in (one, two):
+        assert run["eval_loss"] == pytest.approx(run["eval_loss/total"], abs=1e-6)  # the loss layer's reduction
