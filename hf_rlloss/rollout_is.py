@@ -41,7 +41,7 @@ metric whose count is 0 is ``0.0``.
 | ``mismatch/mismatch_log_ppl_diff`` | ``mean_i d_i`` | sequence |
 | ``mismatch/mismatch_log_ppl_abs_diff`` | ``mean_i |d_i|`` | sequence |
 | ``mismatch/mismatch_log_ppl_diff_max`` / ``_min`` | ``max_i d_i`` / ``min_i d_i`` | sequence |
-| ``mismatch/mismatch_ppl_ratio`` | ``mean_i exp(clamp(d_i, ±20))`` (rollout ppl / training ppl) | sequence |
+| ``mismatch/mismatch_ppl_ratio`` | ``mean_i exp(clamp(d_i, ±20))``: training ppl / rollout ppl (XTuner's) | sequence |
 | ``mismatch/mismatch_kl`` | ``mean_t (log μ − log π_old)``: k1 estimate of KL(μ‖π_old) | token |
 | ``mismatch/mismatch_k3_kl`` | ``mean_t (exp(δ̂) − δ̂ − 1)``: k3 estimate of KL(μ‖π_old) | token |
 | ``mismatch/mismatch_logprob_abs_diff`` | ``mean_t |δ_t|`` | token |
