@@ -883,10 +883,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
             )
         mode = self.generation_config.get_generation_mode()
         if mode != GenerationMode.SAMPLE:
-            # Beam search, greedy, contrastive, ...: no sampling distribution the tokens were drawn from.
+            # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
+            # one per-token distribution (beams are re-ranked and re-ordered), so there is no log-prob to record.
             logger.warning_once(
-                f"generation mode {mode.value!r} does not sample tokens from a distribution: no rollout log-probs are "
-                "recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
+                f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: no "
+                "rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
             )
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
