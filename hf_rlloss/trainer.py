@@ -257,9 +257,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
     from the path the policy was given as, else a deep copy of the in-memory policy taken before training. Rollout
     log-probs (`sampling_per_token_logps`, from vLLM or a `rollout_func`) are passed as `rollout_logprobs` and TRL's
     vLLM importance-sampling ratio as `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
-    trainer records the log-probs of the sampled tokens under the processed sampling distribution
-    (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
-    log-probs are then always computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches`.
+    trainer records the log-probs of the sampled tokens (`SampledTokenLogprobs`), so rollout importance sampling and
+    the mismatch metrics work on every backend; old log-probs are then always computed, and `rl_loss.rollout_is` runs
+    on each micro-batch before `build_batches`. Under top-k/top-p/min-p sampling both are compared on the same
+    support (`args.rollout_logprobs_support`): the whole vocabulary (the recorder takes the log-prob before the
+    truncating warpers) or the sampled support (the trainer replays the truncation on π_old and renormalizes by the
+    kept mass, `old_kept_logmass`; always so for vLLM, whose log-probs are on the sampled support); the kept mass is
+    logged as `mismatch/kept_mass_mean`. Beam search and greedy decoding record nothing. The trainer's forwards use
+    the positions HF `generate` gives a left-padded batch (counted from the first real token).
 
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.

@@ -211,10 +211,11 @@ class RLLossGRPOConfig(GRPOConfig):
     rollout_logprobs: bool = field(
         default=True,
         metadata={
-            "help": "With HF generate: record the log-probs of the sampled tokens under the processed sampling "
-            "distribution, so that rollout importance sampling (rl_loss.rollout_is) and the training-inference "
-            "mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per generation batch when "
-            "old log-probs are not needed anyway. vLLM and rollout_func provide their own log-probs."
+            "help": "With HF generate: record the log-probs of the sampled tokens (on the support chosen by "
+            "rollout_logprobs_support), so that rollout importance sampling (rl_loss.rollout_is) and the "
+            "training-inference mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per "
+            "generation batch when old log-probs are not needed anyway. vLLM and rollout_func provide their own "
+            "log-probs. Beam search and greedy decoding record nothing."
         },
     )
     rollout_logprobs_support: str = field(
