@@ -8,18 +8,30 @@ import os
 
 from transformers import TrainerCallback
 
-# panel title -> metric keys tried in order (the first one present is plotted)
+# panel title -> metric keys (each one logged is plotted)
 CURVES = {
     "reward": ("reward",),
     "KL to reference / old policy": ("train_policy/ref_kl", "train_policy/kl3"),
-    "clip fraction": ("train_policy/clip_frac_high", "train_policy/clip_frac_low"),
-    "rollout mismatch KL": ("mismatch/mismatch_kl",),
+    "completion length (tokens)": ("completions/mean_length",),
+    "rollout mismatch |Δ log p| per token": ("mismatch/mismatch_logprob_abs_diff",),
 }
+# noisy per-step curves also drawn as a trailing moving average over this many steps
+SMOOTHED = {"reward": 8}
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 class MetricsPlotCallback(TrainerCallback):
     """On the main process: append every log to ``<output_dir>/metrics.jsonl`` and, at the end of training, plot
-    reward, KL, clip fraction and rollout mismatch per step to ``<output_dir>/training_curves.png``."""
+    reward (with its moving average), KL, completion length and rollout mismatch per step to
+    ``<output_dir>/training_curves.png``."""
 
     def __init__(self, output_dir: str | None = None):
         self.output_dir = output_dir
@@ -54,7 +66,11 @@ def plot_curves(history: list[dict], path: str) -> str:
         for key in keys:
             points = [(r["step"], r[key]) for r in history if key in r and math.isfinite(r[key])]
             if points:
-                ax.plot(*zip(*points), marker=".", label=key)
+                ax.plot(*zip(*points), marker=".", label=key, alpha=0.5 if key in SMOOTHED else 1.0)
+            if points and key in SMOOTHED:
+                steps, values = zip(*points)
+                window = SMOOTHED[key]
+                ax.plot(steps, moving_average(list(values), window), linewidth=2, label=f"{key} ({window}-step mean)")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -1,9 +1,11 @@
 """Log-probs of the sampled tokens straight from hidden states, in token chunks, without `(tokens, vocab)` logits.
 
-Two entry points:
+Entry points:
 
 * :func:`chunked_logprobs` — a no-grad pass for old/reference/sequence-statistic log-probs (and the full-vocabulary
   entropy).
+* :func:`chunked_kept_logmass` — the same log-probs and, in the same pass, the log of the probability mass that a
+  sampling truncation (top-k, top-p, min-p) keeps, for rollout importance sampling on the sampled support.
 * :func:`chunked_objective` — forward *and* backward of a token-separable objective ``J(log π(o_1), …, log π(o_N))``
   in one sweep: for each chunk of tokens it computes the logits, ``log π`` of the labels, the objective's gradient
   w.r.t. those log-probs (autograd on an ``(n,)`` vector), and from it the gradients w.r.t. the hidden states and the
@@ -326,6 +328,50 @@ def chunked_logprobs(
         if entropy is not None:
             entropy[sl] = chunk_entropy
     return logprobs, entropy
+
+
+@torch.no_grad()
+def chunked_kept_logmass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    truncation: Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` under ``π = softmax(z)``, ``z = hidden @ weightᵀ / T``, and ``log Σ_{v kept} π(v)``: the
+    log of the mass that a sampling truncation of ``z`` keeps (replayed on the trainer's distribution).
+
+    ``truncation(None, scores)`` must return the `(n, V)` scores with the removed tokens at ``-inf`` and the kept ones
+    unchanged, as transformers' logits warpers do (`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper` in a
+    `LogitsProcessorList`). Then ``log K = logsumexp(truncated z) − logsumexp(z)``, and the label's log-prob
+    renormalized over the kept support is ``log π(y) − log K`` (``-inf`` if ``y`` was cut).
+
+    Args:
+        hidden, weight, labels, temperature, chunk_size: see `chunked_logprobs`.
+        truncation (`Callable`): `(input_ids or None, scores (n, V)) -> scores`; applied to blocks of 64 rows, so its
+            temporaries (a sort for top-p) stay at `64 × V`.
+
+    Returns:
+        `(torch.Tensor, torch.Tensor)`: `(N,)` log-probs and `(N,)` kept log-masses (≤ 0), in float32 (or float64).
+    """
+    n = labels.shape[0]
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    dtype = _compute_dtype(hidden.dtype)
+    logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+    kept_logmass = torch.empty(n, dtype=dtype, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        logits = (hidden[start : start + chunk_size] @ weight.t()).to(dtype)
+        if temperature != 1.0:
+            logits.div_(temperature)
+        for block_start in range(0, logits.shape[0], _ROW_BLOCK):
+            rows = slice(start + block_start, start + min(block_start + _ROW_BLOCK, logits.shape[0]))
+            block = logits[block_start : block_start + _ROW_BLOCK]
+            log_normalizer = torch.logsumexp(block, dim=-1)  # (b,)
+            logprobs[rows] = block.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1) - log_normalizer
+            kept_logmass[rows] = torch.logsumexp(truncation(None, block.clone()), dim=-1) - log_normalizer
+    return logprobs, kept_logmass
 
 
 class _ChunkedObjective(torch.autograd.Function):

@@ -96,6 +96,8 @@ _PER_TOKEN_FIELDS = {
     "ref_logprobs": 0.0,
     "rollout_logprobs": 0.0,
     "rollout_is_weights": 1.0,
+    "old_kept_logmass": 0.0,
+    "rollout_kept_logmass": 0.0,
 }
 DATA_KEYS = ("shifted_labels", "num_tokens", *_PER_TOKEN_FIELDS)
 
@@ -172,15 +174,23 @@ class BaseRLLossConfig(BaseModel):
         """A plain, YAML/JSON-serializable dict that `type(self)(**d)` turns back into an equal config."""
         return self.model_dump(mode="json")
 
-    def build(self, data: dict[str, Any], sp_mesh: DeviceMesh | None = None) -> BaseRLLossContext | None:
+    def build(
+        self, data: dict[str, Any], sp_mesh: DeviceMesh | None = None, micro_batch: int | None = None
+    ) -> BaseRLLossContext | None:
         """Build the loss context of one micro-batch.
 
         Args:
             data (`dict`): `shifted_labels` `(B, T)` (or a packed row `(1, L)` with `num_tokens`, the per-sequence
                 lengths summing to `L`) and `advantages` (per sequence `(S,)` or per token, the labels' shape) are
-                required; `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `rollout_is_weights` are optional
-                per-token tensors of the labels' shape. All are full-length (before any SP split).
+                required; `old_logprobs`, `ref_logprobs`, `rollout_logprobs`, `rollout_is_weights`,
+                `old_kept_logmass` and `rollout_kept_logmass` are optional per-token tensors of the labels' shape.
+                All are full-length (before any SP split). `old_kept_logmass` (log of the mass of π_old that the
+                sampling truncation keeps) makes rollout IS compare π_old renormalized over the sampled support with
+                `rollout_logprobs` (which must then be on that support); `rollout_kept_logmass` (the same under the
+                rollout engine) is only reported, as `mismatch/kept_mass_mean` (see `hf_rlloss.rollout_is`).
             sp_mesh (`DeviceMesh`, *optional*): the sequence-parallel mesh; every per-token tensor is split over it.
+            micro_batch (`int`, *optional*): the index of this micro-batch in the optimizer step, named by the
+                errors about its data (defaults to its position in the list given to `build_batches`).
 
         Returns:
             The context, or `None` when `shifted_labels` or `advantages` is missing (nothing to train on).
@@ -199,7 +209,9 @@ class BaseRLLossConfig(BaseModel):
                 "RLLossGRPOTrainer computes for HF generate), or unset rollout_is.upper for no correction"
             )
         kwargs = prepare_kwargs(data, self.ignore_idx, _PER_TOKEN_FIELDS, sp_mesh)
-        return self.loss_ctx_cls(self, kwargs, sp_mesh)
+        ctx = self.loss_ctx_cls(self, kwargs, sp_mesh)
+        ctx.micro_batch = micro_batch
+        return ctx
 
 
 class GRPOLossConfig(BaseRLLossConfig):

@@ -34,6 +34,8 @@ _PER_TOKEN = (
     "ref_logprobs",
     "rollout_logprobs",
     "rollout_is_weights",
+    "old_kept_logmass",
+    "rollout_kept_logmass",
     "seq_ids",
     "policy_loss_weight",
     "kl_loss_weight",
@@ -53,6 +55,9 @@ class BaseRLLossKwargs(BaseModel):
         old_logprobs, ref_logprobs, rollout_logprobs (`torch.Tensor`, *optional*): per-token log-probs under the
             policy before the update, the reference, and the rollout engine.
         rollout_is_weights (`torch.Tensor`, *optional*): per-token rollout IS weights (constants).
+        old_kept_logmass, rollout_kept_logmass (`torch.Tensor`, *optional*): per-token log of the probability mass
+            that the sampling truncation (top-k/top-p/min-p) keeps under π_old (replayed by the trainer) and under the
+            rollout engine; see `compute_rollout_is`.
         policy_loss_weight, kl_loss_weight (`torch.Tensor`, *optional*): set by `build_batches`.
         global_grad_tokens (`torch.Tensor`, *optional*): valid tokens of the whole step; set by `build_batches`.
     """
@@ -67,6 +72,8 @@ class BaseRLLossKwargs(BaseModel):
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
+    old_kept_logmass: torch.Tensor | None = None
+    rollout_kept_logmass: torch.Tensor | None = None
     policy_loss_weight: torch.Tensor | None = None
     kl_loss_weight: torch.Tensor | None = None
     global_grad_tokens: torch.Tensor | None = None
@@ -162,6 +169,14 @@ class BaseRLLossContext:
         self.seq_token_counts: torch.Tensor | None = None  # valid tokens per whole sequence, set by build_batches
         self.pending_metrics: dict[str, Any] = {}  # metrics of the preparation, emitted by the first call
         self.deferred_rollout_is_mask: torch.Tensor | None = None  # set by defer_rollout_is
+        self.micro_batch: int | None = None  # index in the optimizer step, for error messages (see `cfg.build`)
+
+    def _name(self, position: int | None = None) -> str:
+        """`"micro-batch i"` for messages: the index given to `cfg.build`, else the position in `build_batches`."""
+        index = self.micro_batch if self.micro_batch is not None else position
+        if index is None:
+            return "this micro-batch (pass micro_batch=i to cfg.build to number it)"
+        return f"micro-batch {index}"
 
     @property
     def mask(self) -> torch.Tensor:
@@ -176,8 +191,12 @@ class BaseRLLossContext:
         """Rollout importance sampling of this micro-batch: weights, rejection, mismatch metrics.
 
         Compares `old_logprobs` (the trainer's no-grad pass, before any update) with `rollout_logprobs` (the
-        generation engine's). Rejected tokens get `ignore_idx` in a new labels tensor — so call it before
-        `build_batches`, which then leaves them out of the denominator — and the IS weights multiply any
+        generation engine's). With `old_kept_logmass`, π_old is first renormalized over the sampled support
+        (`old_logprobs − old_kept_logmass`), for rollout log-probs taken on that support (vLLM's processed log-probs,
+        or `rollout_logprobs_support="sampled"`); the policy ratio keeps the full-vocabulary `old_logprobs`. The kept
+        mass (`rollout_kept_logmass`, else `old_kept_logmass`) is reported as `mismatch/kept_mass_mean`. Rejected
+        tokens get `ignore_idx` in a new labels tensor — so it must be called before `build_batches`, which then
+        leaves them out of the denominator (calling it after is an error) — and the IS weights multiply any
         `rollout_is_weights` given with the data. Collective under SP (one all-reduce over the SP group).
 
         Returns:
@@ -185,15 +204,26 @@ class BaseRLLossContext:
             next call, so `finalize_train_policy_metrics` reports the `mismatch/*` and `rollout_is/*` values.
         """
         kw = self.loss_kwargs
+        if self.grad_scale is not None:
+            raise RuntimeError(
+                "compute_rollout_is() was called after build_batches(): the tokens it rejects would stay in the "
+                "step's denominator. Call cfg.build(...), then ctx.compute_rollout_is() on each micro-batch, then "
+                "build_batches(contexts) once"
+            )
         if kw.rollout_logprobs is None:
             raise ValueError("compute_rollout_is needs rollout_logprobs (the generation engine's log-probs)")
         if kw.old_logprobs is None:
             raise ValueError("compute_rollout_is needs old_logprobs (log-probs of the policy before the update)")
         mask = self.mask
         if self.loss_cfg.nonfinite_inputs == "error":  # IS would silently reject them: report bad input first
-            bad = int((mask & ~torch.isfinite(kw.old_logprobs)).sum())
-            if bad:
-                raise ValueError(f"old_logprobs has {bad} non-finite value(s) at valid tokens")
+            for name in ("old_logprobs", "old_kept_logmass"):
+                value = getattr(kw, name)
+                bad = 0 if value is None else int((mask & ~torch.isfinite(value)).sum())
+                if bad:
+                    raise ValueError(
+                        f"{name} of {self._name()} has {bad} non-finite value(s) at valid tokens (set "
+                        "nonfinite_inputs='mask' to drop such tokens instead)"
+                    )
         weights, keep, metrics = self._rollout_is(kw.old_logprobs, mask)
         kw.shifted_labels = kw.shifted_labels.masked_fill(mask & ~keep, self.loss_cfg.ignore_idx)
         if weights is not None:
@@ -203,15 +233,19 @@ class BaseRLLossContext:
         return metrics
 
     def _rollout_is(self, old_logprobs: torch.Tensor, mask: torch.Tensor):
+        """`compute_rollout_is` on this micro-batch, π_old renormalized by `old_kept_logmass` when it is given."""
         kw = self.loss_kwargs
+        old = old_logprobs if kw.old_kept_logmass is None else old_logprobs - kw.old_kept_logmass
+        kept_logmass = kw.rollout_kept_logmass if kw.rollout_kept_logmass is not None else kw.old_kept_logmass
         return compute_rollout_is(
             self.loss_cfg.rollout_is,
-            old_logprobs,
+            old,
             kw.rollout_logprobs,
             mask,
             kw.seq_ids,
             kw.num_sequences,
             sp_mesh=self.sp_mesh,
+            kept_logmass=kept_logmass,
         )
 
     def defer_rollout_is(self) -> None:
@@ -445,7 +479,7 @@ class GRPOLossContext(BaseRLLossContext):
         for i, ctx in enumerate(contexts):
             ctx._handle_nonfinite(i)
             if cfg.use_kl_loss and ctx.loss_kwargs.ref_logprobs is None:
-                raise ValueError(f"use_kl_loss=True but micro-batch {i} has no ref_logprobs")
+                raise ValueError(f"use_kl_loss=True but {ctx._name(i)} has no ref_logprobs")
 
         # Valid tokens of each whole sequence: a sequence split over SP ranks is counted on all of its shards.
         counts = [
@@ -494,7 +528,7 @@ class GRPOLossContext(BaseRLLossContext):
             count = int(field_bad.sum())
             if count and self.loss_cfg.nonfinite_inputs == "error":
                 raise ValueError(
-                    f"{name} of micro-batch {index} has {count} non-finite value(s) at valid tokens "
+                    f"{name} of {self._name(index)} has {count} non-finite value(s) at valid tokens "
                     "(set nonfinite_inputs='mask' to drop such tokens instead)"
                 )
             bad |= field_bad

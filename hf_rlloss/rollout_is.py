@@ -41,7 +41,7 @@ metric whose count is 0 is ``0.0``.
 | ``mismatch/mismatch_log_ppl_diff`` | ``mean_i d_i`` | sequence |
 | ``mismatch/mismatch_log_ppl_abs_diff`` | ``mean_i |d_i|`` | sequence |
 | ``mismatch/mismatch_log_ppl_diff_max`` / ``_min`` | ``max_i d_i`` / ``min_i d_i`` | sequence |
-| ``mismatch/mismatch_ppl_ratio`` | ``mean_i exp(clamp(d_i, ±20))`` (rollout ppl / training ppl) | sequence |
+| ``mismatch/mismatch_ppl_ratio`` | ``mean_i exp(clamp(d_i, ±20))``: training ppl / rollout ppl (XTuner's) | sequence |
 | ``mismatch/mismatch_kl`` | ``mean_t (log μ − log π_old)``: k1 estimate of KL(μ‖π_old) | token |
 | ``mismatch/mismatch_k3_kl`` | ``mean_t (exp(δ̂) − δ̂ − 1)``: k3 estimate of KL(μ‖π_old) | token |
 | ``mismatch/mismatch_logprob_abs_diff`` | ``mean_t |δ_t|`` | token |
@@ -245,6 +245,7 @@ _TOKEN_SUMS = (
     "low_tokens",
     "masked_tokens",
     "catastrophic_tokens",
+    "kept_mass_sum",
 )
 _SEQ_SUMS = (
     "training_ppl_sum",
@@ -263,7 +264,7 @@ _SEQ_SUMS = (
     "vetoed_sequences",
 )
 _MAXES = ("weight_max", "log_ppl_diff_max", "seq_weight_max", "seq_max_deviation")
-_MINS = ("weight_min", "log_ppl_diff_min", "seq_weight_min")
+_MINS = ("weight_min", "log_ppl_diff_min", "seq_weight_min", "kept_mass_min")
 
 ACCUMULATED_KEYS: dict[str, Reduction] = {
     MASK_TOKENS: Reduction.SUM,
@@ -300,6 +301,7 @@ def compute_rollout_is(
     num_sequences: int,
     seq_token_counts: torch.Tensor | None = None,
     sp_mesh: DeviceMesh | None = None,
+    kept_logmass: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """Rollout IS weights, keep-mask and accumulable metrics of one micro-batch (local tensors, after any SP split).
 
@@ -318,6 +320,9 @@ def compute_rollout_is(
             caller already has them; they are checked against `mask` (a `ValueError` on disagreement).
         sp_mesh (`DeviceMesh`, *optional*): 1-D sequence-parallel mesh; shards of one sequence lie on consecutive
             ranks of it, and per-sequence sums are all-reduced over it.
+        kept_logmass (`torch.Tensor`, *optional*): `(B, T)` log of the probability mass the sampling truncation
+            (top-k/top-p/min-p) kept at each token; only reported (`mismatch/kept_mass_mean`, `_min`). It does not
+            enter the ratio: put both log-probs on the same support before calling (see `GRPOLossContext`).
 
     Returns:
         `(weights, keep, metrics)`: `weights` `(B, T)` detached, at least float32, 0 wherever `keep` is false, or
@@ -328,7 +333,10 @@ def compute_rollout_is(
     shape = tuple(mask.shape)
     if len(shape) != 2:
         raise ValueError(f"mask must be 2-D (B, T); got shape {shape}")
-    for name, value in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs), ("seq_ids", seq_ids)):
+    named = [("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs), ("seq_ids", seq_ids)]
+    if kept_logmass is not None:
+        named.append(("kept_logmass", kept_logmass))
+    for name, value in named:
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)} but mask has shape {shape}")
     if mask.dtype != torch.bool:
@@ -456,6 +464,10 @@ def compute_rollout_is(
         m[_A + "masked_tokens"] = masked_v.sum().to(f64)
     if cfg.has_veto:
         m[_A + "catastrophic_tokens"] = catastrophic.sum().to(f64)
+    if kept_logmass is not None:
+        kept_mass = kept_logmass.detach().reshape(-1)[pos].to(f64).exp()
+        m[_A + "kept_mass_sum"] = kept_mass.sum()
+        m[_A + "kept_mass_min"] = _masked_extreme(kept_mass, torch.ones_like(keep_v), largest=False)
 
     # ---- metrics: sequence sums over non-empty sequences, counted once (on SP rank 0) ----
     counted = nonempty if sp_rank(sp_mesh) == 0 else torch.zeros_like(nonempty)
@@ -506,6 +518,7 @@ _TOKEN_MEANS = {
     "rollout_is/fraction_low": ("low_tokens", 1.0),
     "rollout_is/masked_fraction": ("masked_tokens", 1.0),
     "rollout_is/catastrophic_token_fraction": ("catastrophic_tokens", 1.0),
+    "mismatch/kept_mass_mean": ("kept_mass_sum", 1.0),
 }
 _SEQ_MEANS = {
     "mismatch/mismatch_training_ppl": "training_ppl_sum",
@@ -529,6 +542,7 @@ _EXTREMA = {
     "rollout_is/seq_max": ("seq_weight_max", SEQUENCES),
     "rollout_is/seq_min": ("seq_weight_min", SEQUENCES),
     "rollout_is/seq_max_deviation": ("seq_max_deviation", SEQUENCES),
+    "mismatch/kept_mass_min": ("kept_mass_min", VALID_TOKENS),
 }
 
 

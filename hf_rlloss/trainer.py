@@ -18,7 +18,20 @@ from accelerate.utils import is_peft_model
 from datasets import IterableDataset
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    PreTrainedModel,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
@@ -32,7 +45,7 @@ from trl.trainer.utils import (
     use_adapter,
 )
 
-from .chunked_logprobs import chunked_logprobs
+from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
@@ -47,6 +60,8 @@ from .sequence_parallel import (
 from .trainer_config import RLLossGRPOConfig
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
+
+logger = logging.get_logger(__name__)
 
 
 @contextlib.contextmanager
@@ -169,32 +184,81 @@ def pack_rows(
     return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
 
 
-class SampledTokenLogprobs(LogitsProcessor):
-    """Records ``log p(sampled token)`` under the *processed* sampling distribution of HF ``generate``.
+# transformers' logits warpers that cut the support of the sampling distribution (removed tokens get -inf). What
+# comes before them in the processor list (penalties, temperature) shapes the distribution the trainer compares with.
+TRUNCATING_WARPERS = (
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
 
-    Appended after every logits processor *and warper* (transformers merges user processors before the warpers, so
-    the trainer appends it to the list `_get_logits_processor` builds), it sees the scores after penalties,
-    temperature and top-k/top-p, i.e. exactly the distribution the token is drawn from. The token is only known at
-    the next step, so each call records the previous step's value (one `(B, V)` block alive at a time); `finish`
-    records the last one.
+
+class _BeforeTruncation(LogitsProcessor):
+    """Inserted before the first truncating warper: keeps the full-vocabulary log-softmax for the recorder."""
+
+    def __init__(self, recorder: SampledTokenLogprobs):
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.recorder.full = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+
+class SampledTokenLogprobs(LogitsProcessor):
+    """Records, for each token sampled by HF ``generate``, its log-prob under the full-vocabulary sampling
+    distribution and the log of the probability mass that top-k/top-p/min-p (…) truncation kept.
+
+    Two hooks in the processor list (see `install`): `before_truncation` sits right before the first truncating
+    warper, after the penalties and the temperature, so its log-softmax is the distribution over the whole vocabulary
+    that the trainer's log-probs (with the same temperature) describe; the recorder itself comes last and sees the
+    distribution the token is drawn from, whose finite entries are the kept support ``S``. Per row it keeps
+    ``log p(v)`` `(B, V)` and ``log K = log Σ_{v∈S} p(v)`` `(B,)`; the token is only known at the next step, so each
+    call records the previous step's values (one `(B, V)` block alive at a time) and `finish` records the last one.
+    The log-prob on the sampled support is ``log p(o) − log K``.
     """
 
     def __init__(self):
-        self.previous: torch.Tensor | None = None
-        self.values: list[torch.Tensor] = []
+        self.full: torch.Tensor | None = None  # (B, V) log-softmax before truncation, set by before_truncation
+        self.previous: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logprobs: list[torch.Tensor] = []
+        self.kept_logmass: list[torch.Tensor] = []
+        self.before_truncation = _BeforeTruncation(self)
+
+    def install(self, processors: LogitsProcessorList) -> LogitsProcessorList:
+        """Insert `before_truncation` before the first truncating warper and append the recorder (in place)."""
+        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), None)
+        if cut is not None:
+            processors.insert(cut, self.before_truncation)
+        processors.append(self)
+        return processors
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        full, kept_logmass = self.previous
+        self.logprobs.append(full.gather(-1, tokens.to(full.device)[:, None]).squeeze(-1))
+        self.kept_logmass.append(kept_logmass)
+        self.previous = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.previous is not None:
-            self.values.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
+            self._record(input_ids[:, -1])
+        full = self.full if self.full is not None else torch.log_softmax(scores.float(), dim=-1)
+        kept_logmass = torch.logsumexp(full.masked_fill(~torch.isfinite(scores), float("-inf")), dim=-1)
+        self.previous, self.full = (full, kept_logmass), None
         return scores
 
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """`(B, generated)` log-probs of the generated tokens, given the `(B,)` tokens sampled at the last step."""
+    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(B, generated)` full-vocabulary log-probs of the generated tokens and the kept log-masses, given the
+        `(B,)` tokens sampled at the last step."""
         if self.previous is not None:
-            self.values.append(self.previous.gather(-1, last_tokens.to(self.previous.device)[:, None]).squeeze(-1))
-            self.previous = None
-        return torch.stack(self.values, dim=1) if self.values else torch.zeros(last_tokens.size(0), 0)
+            self._record(last_tokens)
+        if not self.logprobs:
+            empty = torch.zeros(last_tokens.size(0), 0)
+            return empty, empty
+        return torch.stack(self.logprobs, dim=1), torch.stack(self.kept_logmass, dim=1)
 
 
 class RLLossGRPOTrainer(GRPOTrainer):
@@ -235,13 +299,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
     from the path the policy was given as, else a copy of the in-memory policy taken before training (under ZeRO-3
     a sharded copy, see `_resolve_reference`). Rollout log-probs (`sampling_per_token_logps`, from vLLM or a
     `rollout_func`) are passed as `rollout_logprobs` and TRL's vLLM importance-sampling ratio as
-    `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the
-    trainer records the log-probs of the sampled tokens under the processed sampling distribution
-    (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every backend; old
-    log-probs are then computed, and `rl_loss.rollout_is` runs on each micro-batch before `build_batches` — except
-    when every micro-batch is on-policy and rollout IS is metrics-only (`_old_logps_from_loss`): the old log-probs are
-    then the detached log-probs of the training forward, and the mismatch metrics are computed in the loss from them,
-    saving one no-grad forward per generation batch.
+    `rollout_is_weights`. With HF `generate` (and `args.rollout_logprobs`), the trainer records the log-probs of the
+    sampled tokens (`SampledTokenLogprobs`), so rollout importance sampling and the mismatch metrics work on every
+    backend; old log-probs are then computed, and `rl_loss.rollout_is` runs on each micro-batch before
+    `build_batches` — except when every micro-batch is on-policy and rollout IS is metrics-only
+    (`_old_logps_from_loss`): the old log-probs are then the detached log-probs of the training forward, and the
+    mismatch metrics are computed in the loss from them, saving one no-grad forward per generation batch. Under
+    top-k/top-p/min-p sampling both are compared on the same support (`args.rollout_logprobs_support`): the whole
+    vocabulary (the recorder takes the log-prob before the truncating warpers) or the sampled support (the trainer
+    replays the truncation on π_old and renormalizes by the kept mass, `old_kept_logmass`; always so for vLLM, whose
+    log-probs are on the sampled support); the kept mass is logged as `mismatch/kept_mass_mean`. Beam search and
+    greedy decoding record nothing. The trainer's forwards use the positions HF `generate` gives a left-padded batch
+    (counted from the first real token).
 
     **Metrics.** The loss layer's metrics are accumulated over the micro-batches of a step and reduced once per
     optimizer step (one collective per reduction kind) into `train_policy/*` and `loss/*` next to TRL's metrics.
@@ -370,6 +439,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         self.sp_mesh = None
         self._sp_defer_logps = False  # set while TRL scores a generation batch under SP (see _generate_and_score...)
         self._sp_deferred_old_logps = False
+        self._recorded_kept_logmass: list[list[torch.Tensor]] = []
+        self._stashed_kept_logmass: torch.Tensor | None = None
+        self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
+        self._truncation_replay = self._build_truncation_replay()
         if args.sp_size > 1:
             self._setup_sequence_parallel(unwrapped)
         self.ref_model = self._build_reference(self._ref_source)
@@ -446,6 +519,70 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if self.is_fsdp_enabled:
             return prepare_fsdp(source, self.accelerator)
         return self.accelerator.prepare_model(source, evaluation_mode=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Rollout log-probs under truncated sampling
+
+    def _records_hf_rollout_logprobs(self) -> bool:
+        """Whether the rollout log-probs come from `SampledTokenLogprobs` (HF `generate` with sampling)."""
+        hf_generate = not self.use_vllm and self.rollout_func is None
+        return hf_generate and not self.args.use_transformers_continuous_batching and self.args.rollout_logprobs
+
+    def _build_truncation_replay(self) -> LogitsProcessorList | None:
+        """The truncating warpers (top-k, top-p, min-p) the trainer replays on π_old to get the mass they keep, or
+        `None` when the rollout log-probs are compared as they are.
+
+        HF `generate` records full-vocabulary log-probs (`rollout_logprobs_support="full"`: nothing to replay) or
+        the log-probs on the sampled support (`"sampled"`: π_old is renormalized over the replayed support). vLLM
+        (`processed_logprobs`) and a `rollout_func` report log-probs on the sampled support only, so with truncation
+        they are always compared on that support, whatever `rollout_logprobs_support` says.
+        """
+        args = self.args
+        if self._records_hf_rollout_logprobs():
+            mode = self.generation_config.get_generation_mode()
+            if self.rl_loss_config.rollout_is.enabled and mode != GenerationMode.SAMPLE:
+                raise ValueError(
+                    f"rl_loss.rollout_is needs sampled completions, but the generation mode is {mode.value!r} "
+                    "(generation_kwargs num_beams/do_sample): there is no sampling distribution to correct for"
+                )
+            if args.rollout_logprobs_support == "full" or mode != GenerationMode.SAMPLE:
+                return None
+            config = self.generation_config
+            settings = {name: getattr(config, name, None) for name in ("top_k", "top_p", "min_p")}
+            others = {
+                name: getattr(config, name, None)
+                for name in ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+                if getattr(config, name, None) not in (None, 0.0, 1.0)
+            }
+        elif self.use_vllm or self.rollout_func is not None:
+            # TRL passes top_k/top_p/min_p to vLLM; generation_kwargs may override them
+            overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+            settings = {name: overrides.get(name, getattr(self, name)) for name in ("top_k", "top_p", "min_p")}
+            others = {}
+        else:
+            return None
+        if others:
+            raise ValueError(
+                f"rollout_logprobs_support='sampled' replays top_k, top_p and min_p on the trainer's distribution, "
+                "not "
+                f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
+            )
+        warpers = LogitsProcessorList()
+        if settings["top_k"] is not None and settings["top_k"] > 0:
+            warpers.append(TopKLogitsWarper(top_k=int(settings["top_k"])))
+        if settings["top_p"] is not None and settings["top_p"] < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=float(settings["top_p"])))
+        if settings["min_p"]:
+            warpers.append(MinPLogitsWarper(min_p=float(settings["min_p"])))
+        if not warpers:
+            return None
+        if not self._records_hf_rollout_logprobs():
+            logger.warning_once(
+                f"sampling is truncated ({', '.join(type(w).__name__ for w in warpers)}) and the rollout log-probs of "
+                "vLLM / rollout_func are on the sampled support: rollout IS compares them with π_old renormalized "
+                "over the replayed support (rollout_logprobs_support='full' needs HF generate)"
+            )
+        return warpers
 
     # ------------------------------------------------------------------------------------------------------------
     # Sequence parallelism: setup
@@ -628,6 +765,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         `position_ids` of the shard (restarting at 0 at each packed sequence).
         """
         backbone = self._causal_lm(unwrapped).base_model
+        if position_ids is None and attention_mask is not None:
+            # The positions HF generate gives a left-padded batch (counted from the first real token), so that the
+            # trainer's log-probs see the same positions as the rollout's (not offset by the left padding).
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         extra = {} if position_ids is None else {"position_ids": position_ids}
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
@@ -683,17 +824,32 @@ class RLLossGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs without gradient (old and reference)
 
-    def _project_logprobs(self, unwrapped: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """`(N,)` log-probs of `labels` from `(N, H)` hidden states through the LM head, chunked, without gradient."""
+    def _project_logprobs(
+        self,
+        unwrapped: nn.Module,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        truncation: LogitsProcessorList | None = None,
+    ) -> torch.Tensor:
+        """`(N,)` log-probs of `labels` from `(N, H)` hidden states through the LM head, chunked, without gradient;
+        with `truncation`, `(N, 2)`: the log-probs and the log-mass that the replayed truncation keeps."""
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
             h, w, matmul_dtype = self._head_inputs(hidden, weight)
+            chunk_size = self.rl_loss_config.chunk_size
+            if truncation is not None:
+                if matmul_dtype is not None:
+                    h, w = h.to(matmul_dtype), w.to(matmul_dtype)
+                logps, kept = chunked_kept_logmass(
+                    h, w, labels, truncation, temperature=self._loss_temperature, chunk_size=chunk_size
+                )
+                return torch.stack([logps, kept], dim=-1)
             logps, _ = chunked_logprobs(
                 h,
                 w,
                 labels,
                 temperature=self._loss_temperature,
-                chunk_size=self.rl_loss_config.chunk_size,
+                chunk_size=chunk_size,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.rl_loss_config.compile_epilogue,
             )
@@ -707,42 +863,55 @@ class RLLossGRPOTrainer(GRPOTrainer):
         attention_mask: torch.Tensor,
         logits_to_keep: int,
         batch_size: int | None = None,
-    ) -> torch.Tensor:
+        truncation: LogitsProcessorList | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
         Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
         sequence parallelism every rank of the SP group must call it with the same rows (see `_sp_per_token_logps`).
+        With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
+        `(B, logits_to_keep)`, from the same pass.
         """
         batch_size = batch_size or input_ids.size(0)
         if self.sp_mesh is not None:
-            return self._sp_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
-        out = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32, device=input_ids.device)
+            out = self._sp_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, truncation)
+        else:
+            columns = 1 if truncation is None else 2
+            out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
 
-        def forward(unwrapped, ids, mask):
-            hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
-            valid = mask[:, -logits_to_keep:].bool()
-            return self._project_logprobs(unwrapped, hidden[valid], ids[:, -logits_to_keep:][valid]), valid
+            def forward(unwrapped, ids, mask):
+                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
+                valid = mask[:, -logits_to_keep:].bool()
+                labels = ids[:, -logits_to_keep:][valid]
+                return self._project_logprobs(unwrapped, hidden[valid], labels, truncation), valid
 
-        for start in range(0, input_ids.size(0), batch_size):
-            rows = slice(start, start + batch_size)
-            logps, valid = self._call_through_wrapper(model, forward, input_ids[rows], attention_mask[rows])
-            block = out[rows]
-            block[valid] = logps.float()
-        return out
+            for start in range(0, input_ids.size(0), batch_size):
+                rows = slice(start, start + batch_size)
+                logps, valid = self._call_through_wrapper(model, forward, input_ids[rows], attention_mask[rows])
+                block = out[rows]
+                block[valid] = logps.float().reshape(-1, columns)
+        return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
 
     @torch.no_grad()
     def _sp_per_token_logps(
-        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, batch_size
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size,
+        truncation: LogitsProcessorList | None = None,
     ) -> torch.Tensor:
         """`compute_per_token_logps` under SP: `batch_size` rows at a time packed into one row, each rank projecting
-        the tokens of its shard; the shards' log-probs are gathered over the group and unpacked to `(B, C)`."""
+        the tokens of its shard; the shards' values are gathered over the group and unpacked to `(B, C, columns)`."""
         ignore = self.rl_loss_config.ignore_idx
-        out = torch.zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32, device=input_ids.device)
+        columns = 1 if truncation is None else 2
+        out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
 
         def forward(unwrapped, packed, labels):
             hidden = self._sp_hidden_states(unwrapped, packed)
             valid = labels != ignore
-            return self._project_logprobs(unwrapped, hidden[valid], labels[valid]), valid
+            return self._project_logprobs(unwrapped, hidden[valid], labels[valid], truncation), valid
 
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
@@ -753,10 +922,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
             )
             labels = sp_split(packed.pack(completion_ids, ignore), self.sp_mesh, 1, ignore)
             logps, valid = self._call_through_wrapper(model, forward, packed, labels)
-            local = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-            local[valid] = logps.float()
+            local = torch.zeros(*labels.shape, columns, dtype=torch.float32, device=labels.device)
+            local[valid] = logps.float().reshape(-1, columns)
             full = sp_gather(local, self.sp_mesh, dim=1)[:, : packed.length]
-            out[rows] = packed.unpack(full, tuple(completion_ids.shape))
+            for column in range(columns):
+                out[rows, :, column] = packed.unpack(full[..., column], tuple(completion_ids.shape))
         return out
 
     def _get_per_token_logps_and_entropies(
@@ -792,6 +962,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 compute_aux_loss=compute_aux_loss,
                 **multimodal,
             )
+        if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
+            logps, self._stashed_kept_logmass = self.compute_per_token_logps(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, truncation=self._truncation_replay
+            )
+            return logps, None, None
         return self.compute_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size), None, None
 
     @torch.no_grad()
@@ -813,15 +988,24 @@ class RLLossGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
+        mode = self.generation_config.get_generation_mode()
+        if mode != GenerationMode.SAMPLE:
+            # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
+            # one per-token distribution (beams are re-ranked and re-ordered), so there is no log-prob to record.
+            logger.warning_once(
+                f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: no "
+                "rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
+            )
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         lm = self._causal_lm(self.accelerator.unwrap_model(self.model))  # the module whose generate() runs
         recorder = SampledTokenLogprobs()
         original = lm._get_logits_processor
         shadowed = vars(lm).get("_get_logits_processor")
 
         def get_logits_processor(*args, **kwargs) -> LogitsProcessorList:
-            processors = original(*args, **kwargs)
-            processors.append(recorder)  # after the warpers: the distribution actually sampled from
-            return processors
+            return recorder.install(original(*args, **kwargs))
 
         lm._get_logits_processor = get_logits_processor
         try:
@@ -834,35 +1018,50 @@ class RLLossGRPOTrainer(GRPOTrainer):
             else:
                 lm._get_logits_processor = shadowed
         if logprobs is None and recorder.previous is not None:
-            steps = len(recorder.values) + 1
+            steps = len(recorder.logprobs) + 1
             # rows that ran to the last step hold its token; shorter rows (ended by EOS) never use that value
             last = torch.tensor([ids[steps - 1] if len(ids) >= steps else 0 for ids in completion_ids])
-            values = recorder.finish(last).cpu()
-            logprobs = [values[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+            full, kept_logmass = (t.cpu() for t in recorder.finish(last))
+            if self.args.rollout_logprobs_support == "sampled":
+                full = full - kept_logmass  # log-probs renormalized over the kept support
+            logprobs = [full[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+            self._recorded_kept_logmass.append([kept_logmass[i, : len(ids)] for i, ids in enumerate(completion_ids)])
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
+        self._recorded_kept_logmass = []  # filled by _generate_single_turn (HF generate)
+        self._stashed_kept_logmass = None  # filled with the old log-probs when TRL computes them
         old_logps_deferred = False
         if self.sp_mesh is None:
-            batch = super()._generate_and_score_completions(inputs)
+            batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
         else:
             self._sp_deferred_old_logps = False
             with _overridden(self, _sp_defer_logps=True):
-                batch = super()._generate_and_score_completions(inputs)
+                batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
             batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
             old_logps_deferred = self._sp_deferred_old_logps
-        needs_old = old_logps_deferred or (
-            batch.get("sampling_per_token_logps") is not None and not self._old_logps_from_loss
-        )
-        if needs_old and batch.get("old_per_token_logps") is None:
-            # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update.
+        has_rollout_logps = batch.get("sampling_per_token_logps") is not None
+        replay = self._truncation_replay if has_rollout_logps else None
+        stashed, self._stashed_kept_logmass = self._stashed_kept_logmass, None
+        if replay is not None and batch.get("old_per_token_logps") is not None and stashed is not None:
+            batch["old_kept_logmass"] = stashed
+        elif replay is not None or (
+            (old_logps_deferred or (has_rollout_logps and not self._old_logps_from_loss))
+            and batch.get("old_per_token_logps") is None
+        ):
+            # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update
+            # (on the sampled support: with the mass the replayed truncation keeps, from the same pass).
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                batch["old_per_token_logps"] = self.compute_per_token_logps(
-                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size
+                logps = self.compute_per_token_logps(
+                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size, replay
                 )
+            if replay is None:
+                batch["old_per_token_logps"] = logps
+            else:
+                batch["old_per_token_logps"], batch["old_kept_logmass"] = logps
         if self.rl_loss_config.use_kl_loss:
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
@@ -883,7 +1082,21 @@ class RLLossGRPOTrainer(GRPOTrainer):
             and self.num_iterations == 1
             and self.args.steps_per_generation == self.args.gradient_accumulation_steps
             and not self.rl_loss_config.rollout_is.enabled
+            and self._truncation_replay is None  # the sampled support needs π_old's kept mass: a no-grad pass
         )
+
+    def _add_recorded_kept_logmass(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch["rollout_kept_logmass"]` `(B, C)` from the HF-generate recorder, when one generation call produced
+        every row (with tool calls a row's tokens come from several calls: the kept mass is then not reported)."""
+        recorded, self._recorded_kept_logmass = self._recorded_kept_logmass, []
+        rows = batch["completion_ids"]
+        if self.tools or len(recorded) != 1 or len(recorded[0]) != rows.size(0):
+            return batch
+        kept = torch.zeros(rows.shape, dtype=torch.float32)
+        for i, values in enumerate(recorded[0]):
+            kept[i, : len(values)] = values[: rows.size(1)]
+        batch["rollout_kept_logmass"] = kept.to(rows.device)
+        return batch
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss contexts
@@ -905,6 +1118,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
             "old_per_token_logps": "old_logprobs",
             "ref_per_token_logps": "ref_logprobs",
             "sampling_per_token_logps": "rollout_logprobs",
+            "old_kept_logmass": "old_kept_logmass",
+            "rollout_kept_logmass": "rollout_kept_logmass",
         }
         for key, name in optional.items():
             if inputs.get(key) is not None:
@@ -919,7 +1134,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         data = self.build_loss_data(inputs)
         if self.sp_mesh is not None:
             data = self._sp_pack_loss_data(data, self._sp_pack_batch(inputs), tuple(inputs["completion_ids"].shape))
-        ctx = self.rl_loss_config.build(data, sp_mesh=self.sp_mesh)
+        ctx = self.rl_loss_config.build(data, sp_mesh=self.sp_mesh, micro_batch=self._rl_micro_batch)
         if ctx is None:
             raise ValueError("build_loss_data must give shifted_labels and advantages")
         if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
@@ -954,7 +1169,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 f"optimizer step at micro-step {self._step} would span two generations (gradient accumulation "
                 f"{n}, steps_per_generation × num_iterations = {generate_every})"
             )
-        contexts = [self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]) for i in range(n)]
+        contexts = []
+        for i in range(n):
+            with _overridden(self, _rl_micro_batch=i):  # named by the errors about this micro-batch's data
+                contexts.append(self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]))
         type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
         self._rl_pending = deque(contexts)
         self._rl_step_metrics = {}
@@ -1013,6 +1231,20 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if self.accelerator.distributed_type != "DEEPSPEED":
             loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
         return loss
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        # Trainer averages the per-rank losses gathered with `gather_for_metrics`, which drops the values of the last
+        # batch past the dataset's length; with GRPO's repeated prompts those are real completions (other ranks'
+        # shares, or the last batch's), so `eval_loss` leaned towards rank 0 and the first batches. Report instead
+        # the mean over evaluation batches of each batch's loss over all ranks (normalized like a training step):
+        # the `loss/total` values already reduced across ranks by `_log_rl_metrics`.
+        losses = self._metrics["eval"].get("loss/total")
+        if losses:
+            output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
+        return output
 
     def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""

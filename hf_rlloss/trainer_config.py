@@ -248,12 +248,23 @@ class RLLossGRPOConfig(GRPOConfig):
     rollout_logprobs: bool = field(
         default=True,
         metadata={
-            "help": "With HF generate: record the log-probs of the sampled tokens under the processed sampling "
-            "distribution, so that rollout importance sampling (rl_loss.rollout_is) and the training-inference "
-            "mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per generation batch when "
-            "old log-probs are not needed anyway, unless training is on-policy (num_iterations=1, "
-            "steps_per_generation=gradient_accumulation_steps) and rollout IS metrics-only: the metrics then use the "
-            "training forward's log-probs. vLLM and rollout_func provide their own log-probs."
+            "help": "With HF generate: record the log-probs of the sampled tokens (on the support chosen by "
+            "rollout_logprobs_support), so that rollout importance sampling (rl_loss.rollout_is) and the "
+            "training-inference mismatch metrics (mismatch/*, rollout_is/*) work. Costs one no-grad forward per "
+            "generation batch when old log-probs are not needed anyway, unless training is on-policy "
+            "(num_iterations=1, steps_per_generation=gradient_accumulation_steps) and rollout IS metrics-only: the "
+            "metrics then use the training forward's log-probs. vLLM and rollout_func provide their own log-probs. "
+            "Beam search and greedy decoding record nothing."
+        },
+    )
+    rollout_logprobs_support: str = field(
+        default="full",
+        metadata={
+            "help": "The support on which rollout IS and the mismatch metrics compare the rollout's log-probs with "
+            "the trainer's under truncated sampling (top_k/top_p/min_p): 'full' (the whole vocabulary: HF generate "
+            "records the log-prob before truncation) or 'sampled' (the truncated support: the trainer's log-prob is "
+            "renormalized by the mass its replayed truncation keeps). vLLM and rollout_func report log-probs on the "
+            "sampled support, which is then always used. Without truncation both are the same."
         },
     )
     sp_size: int = field(
@@ -286,6 +297,8 @@ class RLLossGRPOConfig(GRPOConfig):
                 self.rl_loss = json.loads(self.rl_loss)
             except json.JSONDecodeError as err:
                 raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
+        if self.rollout_logprobs_support not in ("full", "sampled"):
+            raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
         if self.rl_loss is not None and not isinstance(self.rl_loss, dict):
             raise ValueError(f"rl_loss must be a mapping; got {type(self.rl_loss).__name__}")
         if self.sp_size > 1:

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num-iterations", type=int, default=1)
     parser.add_argument("--rl-loss", default='{"policy_loss_cfg": {"loss_type": "vanilla"}}')
+    parser.add_argument("--eval-only", action="store_true", help="evaluate the untrained model, save the metrics")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     tok = make_tokenizer()
@@ -42,6 +43,7 @@ def main() -> None:
     args = RLLossGRPOConfig(
         output_dir=os.path.join(os.path.dirname(cli.out), "run"),
         **{**BASE_ARGS, "per_device_train_batch_size": cli.per_device_batch_size, "learning_rate": 0.05},
+        per_device_eval_batch_size=cli.per_device_batch_size,
         gradient_accumulation_steps=cli.grad_accum,
         max_steps=cli.steps,
         num_iterations=cli.num_iterations,
@@ -49,9 +51,19 @@ def main() -> None:
         rl_loss=cli.rl_loss,
     )
     trainer = RLLossGRPOTrainer(
-        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok
+        model,
+        [reward_length, reward_digit],
+        args=args,
+        train_dataset=make_dataset(),
+        eval_dataset=make_dataset(8) if cli.eval_only else None,
+        processing_class=tok,
     )
     patch_generation(trainer, tok)
+    if cli.eval_only:
+        metrics = trainer.evaluate()
+        if trainer.accelerator.is_main_process:
+            torch.save({"metrics": metrics, "world_size": trainer.accelerator.num_processes}, cli.out)
+        return
     trainer.train()
     if trainer.accelerator.is_main_process:
         history = [

@@ -2,6 +2,7 @@
 term only, non-finite rollout log-probs."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -113,3 +114,73 @@ def test_metrics_only_mode_reports_mismatch_without_changing_the_loss():
     assert total == pytest.approx(plain[0].item(), rel=1e-6)
     final = finalize_train_policy_metrics(acc)
     assert final["mismatch/mismatch_kl"] == pytest.approx(delta.mean().item(), rel=1e-5)
+
+
+def test_compute_rollout_is_after_build_batches_is_an_error_naming_the_order():
+    cfg = _gpg_cfg(mode="mask", lower=0.5, upper=1.5)
+    data = {"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": OLD, "rollout_logprobs": ROLLOUT}
+    ctx = cfg.build(data)
+    ctx.loss_kwargs.ref_logprobs = OLD - 0.1
+    GRPOLossContext.build_batches([ctx])
+    labels = ctx.loss_kwargs.shifted_labels.clone()
+    with pytest.raises(RuntimeError, match=r"after build_batches\(\).*then ctx.compute_rollout_is\(\) on each"):
+        ctx.compute_rollout_is()
+    assert torch.equal(ctx.loss_kwargs.shifted_labels, labels)  # nothing was rejected behind the denominator's back
+
+
+@pytest.mark.parametrize("micro_batch", [3, None])
+def test_nonfinite_old_logprobs_from_build_name_the_micro_batch(micro_batch):
+    old = OLD.clone()
+    old[0, 2] = float("nan")
+    data = {"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": old, "rollout_logprobs": ROLLOUT}
+    ctx = _gpg_cfg().build(data, micro_batch=micro_batch)
+    name = "micro-batch 3" if micro_batch is not None else r"this micro-batch \(pass micro_batch=i to cfg.build"
+    with pytest.raises(ValueError, match=rf"old_logprobs of {name}.* has 1 non-finite value\(s\) at valid tokens"):
+        ctx.compute_rollout_is()
+    # without rollout IS, build_batches names it the same way (its index, else the position in the list)
+    ctx = GRPOLossConfig().build({"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": old}, None, 3)
+    with pytest.raises(ValueError, match=r"old_logprobs of micro-batch 3 has 1 non-finite"):
+        GRPOLossContext.build_batches([ctx])
+
+
+def test_old_kept_logmass_renormalizes_pi_old_over_the_sampled_support():
+    """δ = (log π_old − log K_π) − log μ on the sampled support; the policy ratio keeps the full-vocabulary π_old; the
+    kept mass is reported (the rollout's when given, else π_old's)."""
+    kept_old = torch.tensor([[-0.5, -0.2, -1.0, 0.0]])  # log K_π per token
+    rollout = OLD - kept_old + torch.tensor([[0.0, 0.1, -0.3, 0.0]])  # μ on the support, with a numeric mismatch
+    base = {"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": OLD, "rollout_logprobs": rollout}
+    for kept_rollout in (None, torch.tensor([[-0.4, -0.3, -0.9, 0.0]])):
+        data = {**base, "old_kept_logmass": kept_old}
+        if kept_rollout is not None:
+            data["rollout_kept_logmass"] = kept_rollout
+        ctx = _gpg_cfg(upper=5.0).build(data)
+        ctx.compute_rollout_is()
+        weights = ctx.loss_kwargs.rollout_is_weights[0, :3].tolist()
+        assert weights == pytest.approx([1.0, math.exp(-0.1), math.exp(0.3)])
+        assert torch.equal(ctx.loss_kwargs.old_logprobs, OLD)  # the policy ratio's π_old is untouched
+        ctx.loss_kwargs.ref_logprobs = OLD
+        GRPOLossContext.build_batches([ctx])
+        final = finalize_train_policy_metrics(ctx(logprobs=OLD.clone())[1])
+        assert final["mismatch/mismatch_logprob_abs_diff"] == pytest.approx(0.4 / 3)
+        reported = (kept_old if kept_rollout is None else kept_rollout)[0, :3]
+        assert final["mismatch/kept_mass_mean"] == pytest.approx(reported.exp().mean().item())
+        assert final["mismatch/kept_mass_min"] == pytest.approx(reported.exp().min().item())
+
+
+def test_ppl_ratio_is_training_ppl_over_rollout_ppl_in_code_and_docs():
+    import hf_rlloss.rollout_is as module
+
+    ctx = _gpg_cfg().build(
+        {"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": OLD, "rollout_logprobs": ROLLOUT}
+    )
+    ctx.compute_rollout_is()
+    ctx.loss_kwargs.ref_logprobs = OLD
+    GRPOLossContext.build_batches([ctx])
+    final = finalize_train_policy_metrics(ctx(logprobs=OLD.clone())[1])
+    ratio = final["mismatch/mismatch_training_ppl"] / final["mismatch/mismatch_rollout_ppl"]  # one sequence
+    assert ratio == pytest.approx(math.exp(1.0) / math.exp(0.9))  # mean log π_old = −1, mean log μ = −0.9
+    assert final["mismatch/mismatch_ppl_ratio"] == pytest.approx(ratio)
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf8").read()
+    row = next(line for line in readme.splitlines() if line.startswith("| `mismatch/mismatch_ppl_ratio`"))
+    for text in (row, next(line for line in module.__doc__.splitlines() if "mismatch_ppl_ratio" in line)):
+        assert "training ppl / rollout ppl" in text and "rollout ppl / training ppl" not in text, text

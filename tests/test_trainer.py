@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import _launch
 import pytest
@@ -418,40 +419,94 @@ def test_bad_trainer_arguments(tok, tmp_path):
 # Rollout log-probs from HF generate, rollout IS in the trainer
 
 
-def _generate_for_real(tok, tmp_path, **overrides):
-    """Train with TRL's real HF `generate` (sampling), not the fixed completions."""
+def _left_padded_prompts(n: int = 16):
+    """Prompts of 1 to 11 byte tokens: every generation batch is left-padded."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": ["abcdefghijk"[: 1 + i % 11] for i in range(n)]})
+
+
+def _generate_for_real(tok, tmp_path, trainer_cls=RLLossGRPOTrainer, **overrides):
+    """Train with TRL's real HF `generate` (sampling) on left-padded prompts, not the fixed completions."""
     args = _config(tmp_path, max_steps=2, **overrides)
-    trainer = RLLossGRPOTrainer(
-        make_model(tok), [reward_length], args=args, train_dataset=make_dataset(), processing_class=tok
+    trainer = trainer_cls(
+        make_model(tok), [reward_length], args=args, train_dataset=_left_padded_prompts(), processing_class=tok
     )
+    before = trainable_snapshot(trainer.model)
     trainer.train()
+    assert any(not torch.equal(before[k], v) for k, v in trainable_snapshot(trainer.model).items())
     return _step_logs(trainer)
 
 
-def test_hf_generate_records_rollout_logprobs_and_mismatch_is_zero_without_truncation(tok, tmp_path):
-    # temperature only: the sampling distribution is the trained one, so the mismatch is numerical noise
-    logs = _generate_for_real(tok, tmp_path, temperature=0.7)
+SAMPLING = {
+    "plain": {},
+    "tempered": {"temperature": 0.7},
+    "top_k": {"top_k": 10},
+    "top_p": {"top_p": 0.8},
+    "top_k+top_p, sampled support": {"top_k": 10, "top_p": 0.8, "rollout_logprobs_support": "sampled"},
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_hf_generate_rollout_logprobs_match_the_trainer_under_truncated_sampling(tok, tmp_path, sampling):
+    """fp32, on-policy, left-padded prompts: the recorded rollout log-probs are on the trainer's support (the full
+    vocabulary, or both renormalized over the sampled support), so only numerical noise is left, at every step."""
+    logs = _generate_for_real(tok, tmp_path, **SAMPLING[sampling])
+    truncated = "top" in sampling
     for log in logs:
-        assert abs(log["mismatch/mismatch_kl"]) < 1e-4, log
-        assert abs(log["mismatch/mismatch_k3_kl"]) < 1e-6
+        assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-5, log
         assert log["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+        assert log["mismatch/mismatch_k3_kl"] <= 1e-8
         assert log["rollout_is/nonfinite_tokens"] == 0
+        if truncated:  # the truncation is reported as what it is: the kept mass, not a mismatch
+            assert 0.0 < log["mismatch/kept_mass_min"] <= log["mismatch/kept_mass_mean"] < 0.99
+        else:
+            assert log["mismatch/kept_mass_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
-def test_top_k_sampling_shows_up_as_mismatch(tok, tmp_path):
-    # top-k renormalizes the sampling distribution: the rollout log-probs are higher than the trained policy's
-    logs = _generate_for_real(tok, tmp_path, top_k=3)
-    assert all(log["mismatch/mismatch_kl"] > 1e-3 for log in logs), [log["mismatch/mismatch_kl"] for log in logs]
-    assert all(log["rollout_is/mean"] < 1.0 for log in logs)
+class _NoisyRollout(RLLossGRPOTrainer):
+    """Rollout log-probs off by a fixed pseudo-random ±0.5 per token, as an inference engine with other numerics."""
+
+    def build_loss_data(self, inputs):
+        data = super().build_loss_data(inputs)
+        g = torch.Generator().manual_seed(0)
+        noise = torch.rand(data["rollout_logprobs"].shape, generator=g) - 0.5
+        data["rollout_logprobs"] = data["rollout_logprobs"] + noise
+        return data
 
 
 def test_rollout_is_in_the_trainer_rejects_and_reports(tok, tmp_path):
     rl_loss = {"rollout_is": {"level": "token", "mode": "both", "lower": 0.8, "upper": 1.25}}
-    logs = _generate_for_real(tok, tmp_path, top_k=3, rl_loss=rl_loss)
+    logs = _generate_for_real(tok, tmp_path, trainer_cls=_NoisyRollout, top_k=3, rl_loss=rl_loss)
     for log in logs:
-        assert 0.0 < log["rollout_is/masked_fraction"] <= 1.0
+        assert log["mismatch/mismatch_logprob_abs_diff"] == pytest.approx(0.25, abs=0.1)
+        assert 0.0 < log["rollout_is/masked_fraction"] < 1.0  # |noise| > log 1.25 ≈ 0.22 is rejected
         assert log["rollout_is/rejected_token_fraction"] == pytest.approx(log["rollout_is/masked_fraction"])
         assert math.isfinite(log["loss"])
+
+
+BEAM_SAMPLE = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
+
+
+def test_beam_search_trains_without_rollout_logprobs(tok, tmp_path, monkeypatch):
+    """No sampling distribution under beam search: nothing is recorded, the log says so once, training runs."""
+    import hf_rlloss.trainer as trainer_module
+
+    said = []
+    monkeypatch.setattr(trainer_module.logger, "warning_once", lambda message: said.append(message))
+    logs = _generate_for_real(tok, tmp_path, generation_kwargs=BEAM_SAMPLE)
+    assert len(set(said)) == 1 and "'beam_sample' is not plain sampling" in said[0], said  # one message, once
+    assert "no rollout log-probs are recorded" in said[0]
+    for log in logs:
+        assert math.isfinite(log["loss"]) and not any(k.startswith(("mismatch/", "rollout_is/")) for k in log)
+    with pytest.raises(ValueError, match="rollout_is needs sampled completions.*'beam_sample'"):
+        RLLossGRPOTrainer(
+            make_model(tok),
+            [reward_length],
+            args=_config(tmp_path, generation_kwargs=BEAM_SAMPLE, rl_loss={"rollout_is": {"upper": 2.0}}),
+            train_dataset=_left_padded_prompts(),
+            processing_class=tok,
+        )
 
 
 def test_rollout_is_without_rollout_logprobs_is_rejected_at_construction(tmp_path):
@@ -556,3 +611,31 @@ def test_on_policy_mismatch_metrics_skip_the_old_logprobs_forward(tok, tmp_path,
         assert set(different) <= {"step_time"}, different  # wall-clock time only
     for name, value in full_params.items():
         assert torch.equal(skip_params[name], value), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_eval_loss_on_two_processes_is_the_global_loss(tmp_path):
+    """The same evaluation batches (16 completions: 1 rank × 16, or 2 ranks × 8 whole groups) give the same eval_loss.
+
+    Before the fix, Trainer's `gather_for_metrics` dropped the values of the last batch past the 8-prompt dataset
+    length (rank 1's share of it on 2 ranks; half of it on one), so eval_loss was a skewed mean. Now it is the mean
+    over the batches of each batch's loss over all ranks, which the loss layer also reports as `eval_loss/total`.
+    """
+    script = os.path.join(HERE, "dist_trainer_script.py")
+    runs = {
+        "one": [*_launch.torchrun(1), script, "--per-device-batch-size", "16"],
+        "two": [*_launch.torchrun(2), script, "--per-device-batch-size", "8"],
+    }
+    metrics = {}
+    for name, cmd in runs.items():
+        out = tmp_path / f"{name}.pt"
+        result = _launch.run([*cmd, "--eval-only", "--out", str(out)], timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        metrics[name] = torch.load(out)["metrics"]
+    one, two = metrics["one"], metrics["two"]
+    assert one["eval_train_policy/valid_tokens"] == two["eval_train_policy/valid_tokens"]  # the same batches
+    assert one["eval_loss"] != 0.0
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-6)
+    for run in (one, two):
+        assert run["eval_loss"] == pytest.approx(run["eval_loss/total"], abs=1e-6)  # the loss layer's reduction
