@@ -593,7 +593,13 @@ def test_on_policy_mismatch_metrics_skip_the_old_logprobs_forward(tok, tmp_path,
         if not skip:
             monkeypatch.setattr(RLLossGRPOTrainer, "_old_logps_from_loss", property(lambda self: False))
         args = _config(
-            tmp_path / str(skip), max_steps=2, gradient_accumulation_steps=2, temperature=0.7, top_k=5, optim="sgd"
+            tmp_path / str(skip),
+            max_steps=2,
+            gradient_accumulation_steps=2,
+            temperature=0.7,
+            top_k=5,
+            repetition_penalty=1.5,  # sampled from, not trained: a real rollout/trainer mismatch to measure
+            optim="sgd",
         )
         trainer = RLLossGRPOTrainer(
             make_model(tok), [reward_length], args=args, train_dataset=make_dataset(), processing_class=tok
@@ -603,7 +609,9 @@ def test_on_policy_mismatch_metrics_skip_the_old_logprobs_forward(tok, tmp_path,
         runs[skip] = (_step_logs(trainer), trainable_snapshot(trainer.model), len(passes))
     (skip_logs, skip_params, skip_passes), (full_logs, full_params, full_passes) = runs[True], runs[False]
     assert skip_passes == 0 and full_passes == 2  # one no-grad pass per generation batch, only without the skip
-    assert all(log["mismatch/mismatch_kl"] > 1e-3 for log in skip_logs)  # top-k: a real mismatch is measured
+    assert all(
+        log["mismatch/mismatch_logprob_abs_diff"] > 1e-3 for log in skip_logs
+    )  # the penalty: a real mismatch is measured
     for skip_log, full_log in zip(skip_logs, full_logs, strict=True):
         assert set(skip_log) == set(full_log)
         assert {"mismatch/mismatch_k3_kl", "rollout_is/mean", "train_policy/kl1", "loss"} <= set(full_log)
