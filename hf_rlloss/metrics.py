@@ -40,6 +40,7 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     P + "clip_low_count": Reduction.SUM,
     P + "clip_high_count": Reduction.SUM,
     P + "dual_clip_count": Reduction.SUM,
+    P + "opsm_masked_count": Reduction.SUM,
     P + "ref_kl_sum": Reduction.SUM,
     P + "entropy_sum": Reduction.SUM,
     ENTROPY_TOKENS: Reduction.SUM,
@@ -61,6 +62,7 @@ _MEANS = {
     P + "clip_frac_low": (P + "clip_low_count", VALID_TOKENS),
     P + "clip_frac_high": (P + "clip_high_count", VALID_TOKENS),
     P + "dual_clip_frac": (P + "dual_clip_count", VALID_TOKENS),
+    P + "opsm_masked_frac": (P + "opsm_masked_count", VALID_TOKENS),
     P + "ref_kl": (P + "ref_kl_sum", VALID_TOKENS),
     P + "entropy": (P + "entropy_sum", ENTROPY_TOKENS),
 }
