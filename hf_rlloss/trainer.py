@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import is_peft_model
+from accelerate.utils import is_peft_available, is_peft_model
 from datasets import IterableDataset
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -45,6 +45,11 @@ from .sequence_parallel import (
 )
 from .trainer_config import RLLossGRPOConfig
 
+if is_peft_available():  # peft is optional: without it no head can be wrapped
+    from peft.utils.other import ModulesToSaveWrapper
+else:
+    ModulesToSaveWrapper = None
+
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
 
@@ -71,6 +76,17 @@ def _logit_scale(text_config: Any) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else float(scale)
+
+
+def _active_head(head: nn.Module) -> nn.Module:
+    """The module a PEFT `ModulesToSaveWrapper` around the LM head forwards to now (mirroring its `forward`): the
+    active adapter's trainable copy, or the original head while adapters are disabled; any other head as is."""
+    if ModulesToSaveWrapper is None or not isinstance(head, ModulesToSaveWrapper):
+        return head
+    active = head.active_adapters
+    if head.disable_adapters or not active or any(name not in head.modules_to_save for name in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
 
 
 # Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
@@ -179,6 +195,17 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `steps_per_generation == gradient_accumulation_steps` and on-policy data, TRL's `dapo` and this trainer's
     `token-mean` give the same update.
 
+    **Steps spanning two generations.** When `steps_per_generation × num_iterations` is not a multiple of
+    `gradient_accumulation_steps` (e.g. 4 × 2 with 3), TRL lets an optimizer step take its last micro-batches from
+    the next generation batch, which does not exist yet when the step's first micro-batch runs its backward. Such a
+    step is normalized in *groups*: the micro-batches up to the end of the current generation batch form one group,
+    normalized over its own micro-batches on all ranks (one `build_batches`), and the next group is built when the
+    next generation batch arrives. A group of `k` of the step's `n` micro-batches is weighted `k / n`
+    (`step_fraction`), so the step's loss is `Σ_g (k_g / n)·L_g`, `L_g` the group's aggregated loss. This equals the
+    global normalization when the groups' micro-batches hold the same number of tokens (sequences) on average, and
+    is exactly TRL's update for the sequence-normalized modes (`grpo`, `dr_grpo`, `luspo`, `sapo`: every
+    micro-batch holds `per_device_train_batch_size` sequences).
+
     **Gradient-accumulation scaling.** `loss_is_scaled_for_ga = True` makes transformers' `Trainer.training_step`
     use the returned loss as is (it would otherwise divide by `current_gradient_accumulation_steps`), and the
     `Trainer` builds its `Accelerator` with `gradient_accumulation_steps=1`, so `accelerator.backward` does not divide
@@ -238,9 +265,13 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `build_loss_context` to modify the context), set `RLLossGRPOConfig.loss_config_class` to use another loss
     configuration class, and `compute_hidden_states` / `get_head_weight` for models with an unusual layout.
 
+    **A PEFT-wrapped LM head.** A head trained in full through PEFT (`modules_to_save=["lm_head"]`, a
+    `ModulesToSaveWrapper`) is read through its wrapper as its forward would: the active adapter's copy for the
+    loss, the original head while the adapter is disabled (the reference, `use_adapter(model, None)`).
+
     **Not supported** (rejected at construction): vision-language models, MoE router auxiliary losses, final-logit
-    softcapping, an LM head with a bias or a PEFT adapter. A logit scale (`logit_scale`, `logits_scaling`, …) is
-    folded into the temperature.
+    softcapping, an LM head with a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`,
+    `logits_scaling`, …) is folded into the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -310,6 +341,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         self._forward_redirection = _ForwardRedirection()
         self._rl_pending: deque[BaseRLLossContext] = deque()
+        self._rl_step_remaining = 0  # micro-batches of the current optimizer step without a context yet
+        self._rl_step_size = 0
         self._rl_step_metrics: dict[str, Any] = {}
         self.sp_mesh = None
         self._sp_defer_logps = False  # set while TRL scores a generation batch under SP (see _generate_and_score...)
@@ -541,7 +574,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{name} scales its logits by {_logit_scale(text_config)}: not supported")
         if getattr(lm, "base_model", lm) is lm:
             raise ValueError(f"{name} has no separate backbone (base_model): its last hidden states are not reachable")
-        head = lm.get_output_embeddings()
+        head = _active_head(lm.get_output_embeddings())
         if not isinstance(head, nn.Linear):
             raise ValueError(f"{name}'s output embedding is {type(head).__name__}, not a plain nn.Linear LM head")
         if head.bias is not None:
@@ -568,7 +601,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
         """The `(V, H)` LM-head weight (gathered when it is an FSDP2 DTensor)."""
-        weight = self._causal_lm(unwrapped).get_output_embeddings().weight
+        weight = _active_head(self._causal_lm(unwrapped).get_output_embeddings()).weight
         if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
         return weight
@@ -826,19 +859,25 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return out
 
     def _build_step_contexts(self) -> None:
-        """At the first micro-batch of an optimizer step: the contexts of all its micro-batches, normalized once."""
-        n = self.current_gradient_accumulation_steps
+        """The contexts of the next group of micro-batches of the optimizer step, normalized together.
+
+        A group is the rest of the step, or up to the end of the current generation batch if the step spans two
+        (the next one is not generated yet). It is normalized on its own and weighted by its share `k / n` of the
+        step's `n` micro-batches (`step_fraction`); a step within one generation is a single group.
+        """
+        if self._rl_step_remaining == 0:  # the first micro-batch of an optimizer step
+            self._rl_step_size = self._rl_step_remaining = self.current_gradient_accumulation_steps
+            self._rl_step_metrics = {}
         spg = self.args.steps_per_generation
         generate_every = spg * self.num_iterations
-        if any((self._step + i) % generate_every == 0 for i in range(1, n)):
-            raise RuntimeError(
-                f"optimizer step at micro-step {self._step} would span two generations (gradient accumulation "
-                f"{n}, steps_per_generation × num_iterations = {generate_every})"
-            )
-        contexts = [self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]) for i in range(n)]
-        type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
+        # TRL's `_prepare_inputs` has already handed out (and `_step` not yet counted) the current micro-batch
+        k = min(self._rl_step_remaining, generate_every - self._step % generate_every)
+        contexts = [self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]) for i in range(k)]
+        type(contexts[0]).build_batches(
+            contexts, grad_averaging_size=self.accelerator.num_processes, step_fraction=k / self._rl_step_size
+        )
+        self._rl_step_remaining -= k
         self._rl_pending = deque(contexts)
-        self._rl_step_metrics = {}
 
     def _prepare_inputs(self, generation_batch):
         if self.sp_mesh is None:
@@ -855,7 +894,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             self._build_step_contexts()
         inputs = dict(inputs)
         inputs["rl_loss_context"] = self._rl_pending.popleft()
-        inputs["rl_loss_last_micro_batch"] = not self._rl_pending
+        inputs["rl_loss_last_micro_batch"] = not self._rl_pending and self._rl_step_remaining == 0
         return inputs
 
     # ------------------------------------------------------------------------------------------------------------
