@@ -51,6 +51,7 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     # ranks is the step's loss.
     "loss/policy": Reduction.SUM,
     "loss/kl": Reduction.SUM,
+    "loss/router_aux": Reduction.SUM,
     "loss/total": Reduction.SUM,
 }
 

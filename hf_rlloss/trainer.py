@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -76,6 +77,19 @@ def _logit_scale(text_config: Any) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else float(scale)
+
+
+def _load_balancing_loss_func(lm: nn.Module):
+    """The MoE load-balancing loss its causal-LM class computes in `forward` (transformers' per-model
+    `load_balancing_loss_func`, e.g. Switch-Transformer style for Qwen3-MoE, Mixtral, GPT-OSS)."""
+    fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+    if fn is None or not hasattr(lm, "num_experts") or not hasattr(lm, "num_experts_per_tok"):
+        raise ValueError(
+            f"{type(lm).__name__} declares output_router_logits but its module has no load_balancing_loss_func (or "
+            "the model no num_experts / num_experts_per_tok): set router_aux_loss_coef=0.0 to train without the "
+            "router auxiliary loss"
+        )
+    return fn
 
 
 def _active_head(head: nn.Module) -> nn.Module:
@@ -269,9 +283,16 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `ModulesToSaveWrapper`) is read through its wrapper as its forward would: the active adapter's copy for the
     loss, the original head while the adapter is disabled (the reference, `use_adapter(model, None)`).
 
-    **Not supported** (rejected at construction): vision-language models, MoE router auxiliary losses, final-logit
-    softcapping, an LM head with a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`,
-    `logits_scaling`, …) is folded into the temperature.
+    **MoE router load-balancing loss.** When TRL enables it (`aux_loss_enabled`: the model declares
+    `output_router_logits` and `router_aux_loss_coef` — TRL's, else the model config's — is non-zero), the backbone
+    returns its router logits with the hidden states and the model's own `load_balancing_loss_func` (over the
+    micro-batch's prompt and completion tokens) is added as TRL adds it: `router_aux_loss_coef × aux_loss /
+    gradient_accumulation_steps` per micro-batch, averaged over ranks. It is logged as TRL's `aux_loss` and as
+    `loss/router_aux`. Not with sequence parallelism (a shard does not see the micro-batch's routing statistics).
+
+    **Not supported** (rejected at construction): vision-language models, final-logit softcapping, an LM head with
+    a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`, `logits_scaling`, …) is folded into
+    the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -329,13 +350,15 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         if self._is_vlm:
             raise ValueError("RLLossGRPOTrainer does not support vision-language models yet")
-        if self.aux_loss_enabled:
+        if self.aux_loss_enabled and args.sp_size > 1:
             raise ValueError(
-                "RLLossGRPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0.0 to train "
-                "without it"
+                f"sp_size={args.sp_size}: the MoE router load-balancing loss is a product of means over all tokens "
+                "of a micro-batch, which one SP shard does not see; set router_aux_loss_coef=0.0 to train without it"
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
         self._check_model_supported(unwrapped)
+        if self.aux_loss_enabled:
+            _load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
         text_config = unwrapped.config.get_text_config()
         self._loss_temperature = self.temperature / _logit_scale(text_config)
 
@@ -586,8 +609,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast.
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
+        with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
 
         Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
         sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
@@ -595,8 +620,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """
         backbone = self._causal_lm(unwrapped).base_model
         extra = {} if position_ids is None else {"position_ids": position_ids}
+        if output_router_logits:
+            extra["output_router_logits"] = True
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        if output_router_logits:
+            return outputs.last_hidden_state, outputs.router_logits
         return outputs.last_hidden_state
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
@@ -914,13 +943,41 @@ class RLLossGRPOTrainer(GRPOTrainer):
             hidden, weight = self._head_inputs(hidden, weight)
             return ctx(hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature)
 
+    def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
+        """`_loss_forward` for an MoE policy whose router load-balancing loss is trained (`aux_loss_enabled`).
+
+        The backbone returns its router logits with the hidden states; the loss is the model's own
+        `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as the model's forward (and so
+        TRL) computes it. Returns the loss layer's `(loss, metrics)` and the micro-batch's aux loss.
+        """
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        length = completion_ids.size(1)
+        hidden, router_logits = self.compute_hidden_states(
+            unwrapped, input_ids, attention_mask, output_router_logits=True
+        )
+        lm = self._causal_lm(unwrapped)
+        aux_loss = _load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+        weight = self.get_head_weight(unwrapped)
+        with maybe_gather_lm_head_ctx(weight):
+            hidden, weight = self._head_inputs(hidden[:, -length - 1 : -1], weight)
+            loss, metrics = ctx(hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature)
+        return loss, metrics, aux_loss
+
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         ctx = inputs.get("rl_loss_context")
         if ctx is None:  # evaluation: every batch is its own step
             ctx = self.build_loss_context(inputs)
             type(ctx).build_batches([ctx], grad_averaging_size=self.accelerator.num_processes)
-        loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
+        if self.aux_loss_enabled:
+            loss, metrics, aux_loss = self._call_through_wrapper(
+                model, self._loss_forward_with_router_aux, inputs, ctx
+            )
+            loss, metrics = self._add_router_aux_loss(loss, metrics, aux_loss, mode)
+        else:
+            loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
         if mode == "train":
             self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
             if inputs.get("rl_loss_last_micro_batch", True):
@@ -931,6 +988,23 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if self.accelerator.distributed_type != "DEEPSPEED":
             loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
         return loss
+
+    def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
+        """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL.
+
+        TRL adds it per micro-batch on every rank, and DDP averages over ranks: the term is not multiplied by the
+        number of ranks (unlike the loss layer's, see `build_batches`). `loss/router_aux` (and `loss/total`) count
+        it divided by the ranks, so that their sum over micro-batches and ranks is the step's loss; TRL's `aux_loss`
+        metric (the micro-batch's load-balancing loss, averaged over ranks) is logged as TRL does.
+        """
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        term = self.router_aux_loss_coef * aux_loss.to(loss.device) / accumulation
+        metrics = dict(metrics)
+        share = term.detach() / self.accelerator.num_processes
+        metrics["loss/router_aux"] = share
+        metrics["loss/total"] = metrics["loss/total"] + share
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+        return loss + term, metrics
 
     def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""

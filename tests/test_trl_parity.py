@@ -185,3 +185,46 @@ def test_peft_modules_to_save_head(tok, tmp_path):
     trained = head.modules_to_save["default"].weight
     assert not torch.equal(trained, head.original_module.weight)  # the head copy trained, the original did not
     assert logs[1]["train_policy/ref_kl"] > 0  # the reference (adapter and head copy disabled) is the base model
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 5: the MoE router load-balancing loss (a tiny Qwen3-MoE)
+
+
+def _tiny_qwen3_moe(tok):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.1,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.mark.slow  # the MoE experts run slowly on CPU: ~20 s per run
+def test_moe_router_aux_loss(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_qwen3_moe(tok), loss_type="dapo")
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1  # the model config's coefficient
+    assert diff < TOLERANCE, diff
+    for log in logs:
+        assert log["aux_loss"] > 0 and log["loss/router_aux"] > 0
+        # TRL's `aux_loss` is the mean of the micro-batches' losses; coef × aux / GA summed over the 2 micro-batches
+        assert log["loss/router_aux"] == pytest.approx(0.1 * log["aux_loss"], rel=1e-5)
