@@ -200,6 +200,13 @@ class BaseRLLossConfig(BaseModel):
     def _validate(self) -> BaseRLLossConfig:
         if self.use_kl_loss and self.kl_loss_type is None:
             raise ValueError(f"use_kl_loss=True needs kl_loss_type, one of: {', '.join(KL_TYPES)}")
+        spec = self.policy_loss_cfg.spec
+        if spec.absorbs_rollout_is and self.rollout_is.enabled and self.rollout_is.level != "token":
+            raise ValueError(
+                f"rollout_is.level={self.rollout_is.level!r} with loss_type={self.policy_loss_cfg.loss_type!r}: this "
+                "loss folds the rollout IS weights into its sequence weight as a sum of per-token log-weights, which "
+                "would count a sequence-level weight once per token; use rollout_is.level='token'"
+            )
         if self.kl_bias_correction is not None and not self.use_kl_loss:
             raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} needs use_kl_loss=True")
         if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:

@@ -854,8 +854,16 @@ class RLLossGRPOTrainer(GRPOTrainer):
         for key, name in optional.items():
             if inputs.get(key) is not None:
                 data[name] = inputs[key]
-        if inputs.get("importance_sampling_ratio") is not None:
-            data["rollout_is_weights"] = inputs["importance_sampling_ratio"].expand_as(labels)
+        ratio = inputs.get("importance_sampling_ratio")
+        if ratio is not None:
+            if ratio.shape[-1] == 1 and self.rl_loss_config.policy_loss_cfg.spec.absorbs_rollout_is:
+                # TRL's sequence-level ratio (B, 1) enters VESPO's Σ_t log w once: put it on each sequence's first
+                # valid token, 1 elsewhere (the loss sums the log-weights over the sequence)
+                valid = labels != self.rl_loss_config.ignore_idx
+                first = valid & (valid.long().cumsum(dim=1) == 1)
+                data["rollout_is_weights"] = torch.where(first, ratio, torch.ones_like(ratio))
+            else:
+                data["rollout_is_weights"] = ratio.expand_as(labels)
         return data
 
     def build_loss_context(self, inputs: dict[str, Any]) -> BaseRLLossContext:

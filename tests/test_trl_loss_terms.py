@@ -119,6 +119,10 @@ def test_policy_config_validation(kwargs, match):
         ({"use_kl_loss": True, "kl_loss_type": "k3", "kl_bias_correction": "tok"}, r"kl_bias_correction"),
         ({"off_policy_mask_threshold": -0.1}, r"off_policy_mask_threshold"),
         ({"off_policy_mask_threshold": float("nan")}, r"off_policy_mask_threshold"),
+        (
+            {"policy_loss_cfg": {"loss_type": "vespo"}, "rollout_is": {"level": "sequence", "upper": 2.0}},
+            r"rollout_is.level='sequence' with loss_type='vespo'",
+        ),
     ],
 )
 def test_loss_config_validation(kwargs, match):

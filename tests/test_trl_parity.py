@@ -228,3 +228,40 @@ def test_moe_router_aux_loss(tok, tmp_path):
         assert log["aux_loss"] > 0 and log["loss/router_aux"] > 0
         # TRL's `aux_loss` is the mean of the micro-batches' losses; coef × aux / GA summed over the 2 micro-batches
         assert log["loss/router_aux"] == pytest.approx(0.1 * log["aux_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("sequence_level", [False, True])
+def test_vespo_folds_trls_vllm_is_ratio_as_trl(sequence_level):
+    """TRL's vLLM IS ratio (token `(B, T)` or sequence `(B, 1)`, TRL's default `sequence_mask`) enters VESPO's
+    sequence weight, not the loss: `build_loss_data` + the loss layer equal TRL's own `get_gamma_weights` loss."""
+    from types import SimpleNamespace
+
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    old = -torch.rand(3, 4) - 0.5
+    lp = (old + 0.3 * torch.randn(3, 4)).double().requires_grad_(True)
+    advantages = torch.tensor([1.0, -0.5, -1.0])
+    # TRL's ratio is exp((old − sampling)·mask): 1 at padding; 0 where a mask mode rejected
+    ratio = (
+        torch.tensor([[1.5], [0.0], [0.7]]) if sequence_level else torch.where(mask == 1, torch.rand(3, 4) + 0.5, 1.0)
+    )
+    inputs = {
+        "completion_ids": torch.randint(0, 5, (3, 4)),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "importance_sampling_ratio": ratio,
+    }
+    cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": "vespo"})
+    data = RLLossGRPOTrainer.build_loss_data(SimpleNamespace(rl_loss_config=cfg), inputs)
+    ctx = cfg.build(data)
+    GRPOLossContext.build_batches([ctx])
+    ours = ctx(logprobs=lp)[0]
+
+    maskd = mask.double()
+    phi = GRPOTrainer.get_gamma_weights(advantages[:, None].double(), (lp - old).detach(), maskd, ratio.double())
+    trl = (-phi * advantages[:, None] * lp * maskd).sum() / maskd.sum()  # dapo normalization, one micro-batch
+    torch.testing.assert_close(ours, trl)
+    torch.testing.assert_close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(trl, lp)[0])
