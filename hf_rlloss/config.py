@@ -28,8 +28,8 @@ class PolicyLossConfig(BaseModel):
 
     Args:
         loss_type (`str`, *optional*, defaults to `"vanilla"`): a registered loss (`vanilla`, `gspo`, `cispo`,
-            `cispo_seq`, `gpg`, `sapo`, `geo_mean`, `vespo`, or one added with `register_policy_loss`) or a dotted
-            import path to a loss function.
+            `cispo_seq`, `gpg`, `sapo`, `sapo_seq`, `geo_mean`, `vespo`, or one added with `register_policy_loss`) or
+            a dotted import path to a loss function.
         cliprange_low (`float`, *optional*): lower clip range ε_low, in `[0, 1)` (`[0, 1]` for CISPO, where 1 removes
             the lower bound); the ratio is clipped at `1 − ε_low` (in log space for `geo_mean`). Defaults to the
             loss's own default (0.2; GSPO 3e-4; GMPO 0.4).

@@ -216,10 +216,26 @@ def sapo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOut
     ``ℓ = −σ(τ·(r − 1))·(4/τ)·A`` with ``τ = tau_pos`` where ``A > 0`` and ``tau_neg`` otherwise. Its gradient at
     ``r = 1`` equals the unclipped PPO gradient.
     """
-    ratio = _log_ratio(logprobs, old_logprobs, cfg).exp()
+    return _sapo_gate(_log_ratio(logprobs, old_logprobs, cfg).exp(), advantages, cfg)
+
+
+def _sapo_gate(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
     tau = torch.where(advantages > 0, cfg.tau_pos, cfg.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
     return -gate * advantages, {}
+
+
+@register_policy_loss("sapo_seq", sequence_statistic=_gspo_statistic, default_agg_mode="seq-mean-token-mean")
+def sapo_seq_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
+    """Sequence-level SAPO (TRL's ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``).
+
+    SAPO's gate on GSPO's token form of the sequence ratio ``s_t = sg(s_i)·π_θ(o_t)/sg(π_θ(o_t))``, ``log s_i =
+    mean_t log r_t`` (clamped to ``[log_prob_diff_min, log_prob_diff_max]``): every token's value is
+    ``−σ(τ·(s_i − 1))·(4/τ)·A`` and, under ``seq-mean-token-mean`` (SAPO's), the gradient is that of the sequence
+    objective exactly, as for GSPO.
+    """
+    log_seq_ratio = (seq_mean + logprobs - logprobs.detach()).clamp(cfg.log_prob_diff_min, cfg.log_prob_diff_max)
+    return _sapo_gate(log_seq_ratio.exp(), advantages, cfg)
 
 
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's (and the VESPO reference's) floor on the sequence log-weight

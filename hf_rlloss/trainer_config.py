@@ -41,7 +41,7 @@ _TRL_LOSS_TYPES = {
     "vespo": ("vespo", "token-mean"),
 }
 # the sequence-level (importance_sampling_level="sequence") form of each policy loss
-_SEQUENCE_LEVEL = {"vanilla": "gspo", "cispo": "cispo_seq", "vespo": "vespo"}
+_SEQUENCE_LEVEL = {"vanilla": "gspo", "cispo": "cispo_seq", "sapo": "sapo_seq", "vespo": "vespo"}
 
 # TRL loss features without an equivalent in the loss layer: option -> (is it in use?, what to do instead)
 _UNSUPPORTED = {
@@ -78,7 +78,7 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
     (TRL's cap is absolute; a cap < 1 is accepted with a warning) |
     | `loss_type="sapo"` | `sapo` with `tau_pos/neg = sapo_temperature_pos/neg`, `seq-mean-token-mean` |
     | `loss_type="vespo"` | `vespo` with `vespo_k_pos/neg`, `vespo_lambda_pos/neg`, `token-mean` |
-    | `importance_sampling_level="sequence"` | `gspo` instead of `vanilla`, `cispo_seq` instead of `cispo` |
+    | `importance_sampling_level="sequence"` | `gspo`, `cispo_seq`, `sapo_seq` instead of `vanilla`, `cispo`, `sapo` |
     | `epsilon`, `epsilon_high` | `policy_loss_cfg.cliprange_low`, `cliprange_high` |
     | `delta` | `policy_loss_cfg.delta` (PPO-clip losses; TRL ignores it for the others, so does the mapping) |
     | `off_policy_mask_threshold` | `off_policy_mask_threshold` |
@@ -124,7 +124,7 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
         policy["cliprange_low"] = CISPO_NO_LOWER_BOUND
         policy["cliprange_high"] = _cispo_cliprange_high(epsilon_high)
         source["policy_loss_cfg.cliprange_high"] = high_source
-    elif policy_loss == "sapo":
+    elif policy_loss in ("sapo", "sapo_seq"):
         policy["tau_pos"] = args.sapo_temperature_pos
         policy["tau_neg"] = args.sapo_temperature_neg
         source["policy_loss_cfg.tau_pos"] = "sapo_temperature_pos"

@@ -157,6 +157,26 @@ def test_cispo_seq_weight_is_the_clipped_sequence_ratio():
     assert grad[1, 2] == 0
 
 
+def test_sapo_seq_equals_trls_sequence_level_sapo_with_gradcheck():
+    # TRL: −σ(τ·(s − 1))·(4/τ)·A per token, s = exp(mean log r) with the gradient through s; per-sequence mean
+    old = OLD[0]
+    cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": "sapo_seq"})
+    assert cfg.agg_mode == "seq-mean-token-mean"
+    labels = torch.zeros(1, 3, dtype=torch.long)
+    ctx = cfg.build({"shifted_labels": labels, "advantages": torch.tensor([-0.7]), "old_logprobs": old[None].float()})
+    GRPOLossContext.build_batches([ctx])
+
+    def reference(x):
+        s = (x - old).mean().exp()
+        return -torch.sigmoid(1.05 * (s - 1)) * (4 / 1.05) * -0.7  # A ≤ 0: τ_neg = 1.05
+
+    lp = (old + SHIFT[0]).requires_grad_(True)
+    layer = _loss(ctx, lp[None])
+    torch.testing.assert_close(layer, reference(lp))
+    torch.testing.assert_close(torch.autograd.grad(layer, lp)[0], torch.autograd.grad(reference(lp), lp)[0])
+    assert torch.autograd.gradcheck(lambda x: _loss(ctx, x[None]), (lp,))
+
+
 def _vespo_phi(log_w, adv, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
     k, lam = (k_pos, lam_pos) if adv >= 0 else (k_neg, lam_neg)
     w = math.exp(log_w)

@@ -128,6 +128,13 @@ def test_cispo(tok, tmp_path, caplog, epsilon_high, level, loss):
         assert logs[1]["train_policy/clip_frac_high"] > 0.0
 
 
+def test_sapo_sequence_level(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="sapo", importance_sampling_level="sequence")
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.policy_loss_cfg.loss_type == "sapo_seq"
+    assert logs[1]["train_policy/ratio_abs_dev_mean"] > 1e-3  # off-policy: s_i ≠ 1
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Item 8: the KL term weighted by the policy ratio (use_bias_correction_kl)
 
