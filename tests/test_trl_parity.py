@@ -198,20 +198,17 @@ def test_peft_modules_to_save_head(tok, tmp_path):
 # Item 5: the MoE router load-balancing loss (a tiny Qwen3-MoE)
 
 
-def _tiny_qwen3_moe(tok):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _tiny_moe(tok, family: str):
+    """A tiny Qwen3-MoE (experts in every layer) or GPT-OSS (experts, attention sinks, sliding-window layers)."""
+    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    common = dict(
         vocab_size=len(tok),
         hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        num_experts=4,
         num_experts_per_tok=2,
         max_position_embeddings=128,
         tie_word_embeddings=False,
@@ -220,15 +217,22 @@ def _tiny_qwen3_moe(tok):
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
     )
-    model = Qwen3MoeForCausalLM(config)
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **common)
+        )
+    else:
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=32, num_local_experts=4, sliding_window=8, **common))
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model
 
 
 @pytest.mark.slow  # the MoE experts run slowly on CPU: ~20 s per run
-def test_moe_router_aux_loss(tok, tmp_path):
-    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_qwen3_moe(tok), loss_type="dapo")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_router_aux_loss(tok, tmp_path, family):
+    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_moe(tok, family), loss_type="dapo")
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1  # the model config's coefficient
     assert diff < TOLERANCE, diff
     for log in logs:
