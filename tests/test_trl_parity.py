@@ -79,6 +79,16 @@ def _saved_model(tok, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# The sequence-normalized loss types mapped before issue 12 (dapo: test_trainer.py::test_parity_with_trl_dapo)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "luspo", "sapo"])
+def test_sequence_normalized_loss_types(tok, tmp_path, loss_type):
+    _, _, diff = _parity(tok, tmp_path, loss_type=loss_type)
+    assert diff < TOLERANCE, diff
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Item 3: off-policy sequence mask, the two-sided delta clip, VESPO
 
 
@@ -229,10 +239,11 @@ def _tiny_moe(tok, family: str):
     return model
 
 
-@pytest.mark.slow  # the MoE experts run slowly on CPU: ~20 s per run
+@pytest.mark.slow  # the MoE experts run slowly on CPU
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_router_aux_loss(tok, tmp_path, family):
-    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_moe(tok, family), loss_type="dapo")
+    # 2 steps (the second off-policy) keep the slow MoE runs short
+    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_moe(tok, family), loss_type="dapo", max_steps=2)
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1  # the model config's coefficient
     assert diff < TOLERANCE, diff
     for log in logs:
