@@ -19,18 +19,31 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+
 assert set(AggMode.__args__) == set(AGG_MODES) and set(KLType.__args__) == set(KL_TYPES)
 
 
+_CISPO_LOSSES = ("cispo", "cispo_seq")
+_DELTA_LOSSES = ("vanilla", "gspo")
+
+
 class PolicyLossConfig(BaseModel):
     """Parameters of the policy loss (``BaseRLLossConfig.policy_loss_cfg``; a plain dict is accepted there).
 
     Args:
-        loss_type (`str`, *optional*, defaults to `"vanilla"`): a registered loss (`vanilla`, `gspo`, `cispo`, `gpg`,
-            `sapo`, `geo_mean`, or one added with `register_policy_loss`) or a dotted import path to a loss function.
-        cliprange_low (`float`, *optional*): lower clip range ε_low, in `[0, 1)`; the ratio is clipped at `1 − ε_low`
-            (in log space for `geo_mean`). Defaults to the loss's own default (0.2; GSPO 3e-4; GMPO 0.4).
-        cliprange_high (`float`, *optional*): upper clip range ε_high ≥ 0 (DAPO's clip-higher uses 0.28). Defaults to
-            the loss's own default (0.2; GSPO 4e-4; GMPO 0.4).
+        loss_type (`str`, *optional*, defaults to `"vanilla"`): a registered loss (`vanilla`, `gspo`, `cispo`,
+            `cispo_seq`, `gpg`, `sapo`, `sapo_seq`, `geo_mean`, `vespo`, or one added with `register_policy_loss`) or
+            a dotted import path to a loss function.
+        cliprange_low (`float`, *optional*): lower clip range ε_low, in `[0, 1)` (`[0, 1]` for CISPO, where 1 removes
+            the lower bound); the ratio is clipped at `1 − ε_low` (in log space for `geo_mean`). Defaults to the
+            loss's own default (0.2; GSPO 3e-4; GMPO 0.4).
+        cliprange_high (`float`, *optional*): upper clip range ε_high ≥ 0 (DAPO's clip-higher uses 0.28); for CISPO
+            the cap `1 + ε_high` of the IS weight only needs to be positive (and ≥ the floor `1 − ε_low`), so
+            `ε_high > −1`. Defaults to the loss's own default (0.2; GSPO 4e-4; GMPO 0.4).
         clip_ratio_c (`float`, *optional*, defaults to `3.0`): dual-clip bound `c > 1` for negative advantages
-            (`vanilla`).
+            (`vanilla`); `None` disables the dual clip (as TRL's losses).
+        delta (`float`, *optional*): INTELLECT-2's two-sided clip (TRL's `delta`) for `vanilla` and `gspo`: the
+            unclipped branch uses `min(r, δ)`, so `ℓ = −min(min(r, δ)·A, clip(r)·A)`. Must be > 1 (a bound ≤ 1 would
+            remove the gradient of every positive-advantage token at `r = 1`); TRL recommends `δ > 1 + ε_high`.
+        vespo_k_pos, vespo_lambda_pos (`float`, *optional*, defaults to `2.0`, `3.0`): VESPO's gamma-kernel exponent
+            `k ≥ 0` and decay `λ > 0` for `A ≥ 0` (TRL's `vespo_k_pos`, `vespo_lambda_pos`).
+        vespo_k_neg, vespo_lambda_neg (`float`, *optional*, defaults to `3.0`, `2.0`): the same for `A < 0`.
         log_prob_diff_min (`float`, *optional*, defaults to `-20.0`): lower clamp of `log π_θ − log π_old`.
         log_prob_diff_max (`float`, *optional*, defaults to `20.0`): upper clamp of `log π_θ − log π_old`.
         tau_pos (`float`, *optional*, defaults to `1.0`): SAPO gate temperature for positive advantages.
@@ -44,7 +57,12 @@ class PolicyLossConfig(BaseModel):
     loss_type: str = "vanilla"
     cliprange_low: float | None = None
     cliprange_high: float | None = None
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float | None = 3.0
+    delta: float | None = None
+    vespo_k_pos: float = Field(2.0, ge=0)
+    vespo_lambda_pos: float = Field(3.0, gt=0)
+    vespo_k_neg: float = Field(3.0, ge=0)
+    vespo_lambda_neg: float = Field(2.0, gt=0)
     log_prob_diff_min: float = -20.0
     log_prob_diff_max: float = 20.0
     tau_pos: float = Field(1.0, gt=0)
@@ -61,14 +79,38 @@ class PolicyLossConfig(BaseModel):
         for key, value in {"cliprange_low": 0.2, "cliprange_high": 0.2, **spec.defaults}.items():
             if getattr(self, key, None) is None:
                 self.__dict__[key] = value  # bypass validate_assignment: we are inside the validator
-        if not 0.0 <= self.cliprange_low < 1.0:
-            raise ValueError(
-                f"cliprange_low={self.cliprange_low} must be in [0, 1): the lower clip bound 1 - cliprange_low is > 0"
-            )
-        if self.cliprange_high < 0:
-            raise ValueError(f"cliprange_high={self.cliprange_high} must be >= 0")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        is_cispo = self.loss_type in _CISPO_LOSSES
+        if is_cispo:  # CISPO clips a constant IS weight: a floor of 0 and any positive cap above it are meaningful
+            if not 0.0 <= self.cliprange_low <= 1.0:
+                raise ValueError(
+                    f"cliprange_low={self.cliprange_low} must be in [0, 1] for {self.loss_type} (1: no lower bound)"
+                )
+            if self.cliprange_high <= -1.0 or self.cliprange_high < -self.cliprange_low:
+                raise ValueError(
+                    f"cliprange_high={self.cliprange_high} must be > -1 and >= -cliprange_low for {self.loss_type}: "
+                    "the cap 1 + cliprange_high of the IS weight must be positive and not below the floor"
+                )
+        else:
+            if not 0.0 <= self.cliprange_low < 1.0:
+                raise ValueError(
+                    f"cliprange_low={self.cliprange_low} must be in [0, 1): the lower clip bound 1 - cliprange_low "
+                    "is > 0"
+                )
+            if self.cliprange_high < 0:
+                raise ValueError(f"cliprange_high={self.cliprange_high} must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound), or None (no dual clip)")
+        if self.delta is not None:
+            if self.delta <= 1.0:
+                raise ValueError(
+                    f"delta={self.delta} must be > 1: the two-sided clip min(r, delta) at delta <= 1 removes the "
+                    "gradient of every positive-advantage token at r = 1"
+                )
+            if self.loss_type in registered_policy_losses() and self.loss_type not in _DELTA_LOSSES:
+                raise ValueError(
+                    f"delta={self.delta} is the two-sided clip of the PPO-clip losses ({', '.join(_DELTA_LOSSES)}); "
+                    f"loss_type={self.loss_type!r} does not use it"
+                )
         if self.log_prob_diff_min >= self.log_prob_diff_max:
             raise ValueError(
                 f"log_prob_diff_min={self.log_prob_diff_min} must be < log_prob_diff_max={self.log_prob_diff_max}"
@@ -111,6 +153,15 @@ class BaseRLLossConfig(BaseModel):
         kl_loss_coef (`float`, *optional*, defaults to `0.001`): its coefficient, ≥ 0.
         kl_loss_type (`str`, *optional*): the estimator, one of `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`,
             `k1+`, `k3+` (see `hf_rlloss.kl`); required when `use_kl_loss=True`.
+        kl_bias_correction (`str`, *optional*): multiply each token's KL estimate by the policy ratio `π_θ/π_old`,
+            differentiable (TRL's `use_bias_correction_kl`, DeepSeek-V3.2): `"token"` uses the token's ratio,
+            `"sequence"` the sequence's `exp(mean_t log r_t)` (TRL with `importance_sampling_level="sequence"`).
+            Needs `use_kl_loss`. Defaults to no correction.
+        off_policy_mask_threshold (`float`, *optional*): DeepSeek-V3.2's off-policy sequence mask (OPSM, TRL's
+            `off_policy_mask_threshold`, ≥ 0): the policy loss of a sequence with a negative advantage is dropped
+            when `mean_t (log π_rollout − log π_θ)` over the sequence exceeds it (`π_rollout`: `rollout_logprobs`,
+            else `old_logprobs`, else the current policy, i.e. nothing is dropped). The KL term and the
+            denominators are unchanged. Defaults to no mask.
         loss_agg_mode (`str`, *optional*): `token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum` or
             `seq-mean-token-sum-norm`; defaults to the policy loss's own (`token-mean`, or `seq-mean-token-mean` for
             GSPO, GMPO and SAPO). Every mode is normalized over the whole optimizer step on all ranks.
@@ -142,6 +193,8 @@ class BaseRLLossConfig(BaseModel):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLType | None = None
+    kl_bias_correction: Literal["token", "sequence"] | None = None
+    off_policy_mask_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
     loss_agg_mode: AggMode | None = None
     loss_scale_factor: float | None = Field(None, gt=0)
     ignore_idx: int = -100
@@ -155,6 +208,15 @@ class BaseRLLossConfig(BaseModel):
     def _validate(self) -> BaseRLLossConfig:
         if self.use_kl_loss and self.kl_loss_type is None:
             raise ValueError(f"use_kl_loss=True needs kl_loss_type, one of: {', '.join(KL_TYPES)}")
+        spec = self.policy_loss_cfg.spec
+        if spec.absorbs_rollout_is and self.rollout_is.enabled and self.rollout_is.level != "token":
+            raise ValueError(
+                f"rollout_is.level={self.rollout_is.level!r} with loss_type={self.policy_loss_cfg.loss_type!r}: this "
+                "loss folds the rollout IS weights into its sequence weight as a sum of per-token log-weights, which "
+                "would count a sequence-level weight once per token; use rollout_is.level='token'"
+            )
+        if self.kl_bias_correction is not None and not self.use_kl_loss:
+            raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} needs use_kl_loss=True")
         if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
             raise ValueError(
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor (e.g. the max completion length)"

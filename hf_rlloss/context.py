@@ -287,14 +287,15 @@ class BaseRLLossContext:
     def _objective(self, logprobs, sl, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def _sequence_mean(self, statistic: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token mean of ``statistic`` over its whole sequence (across SP shards); detached, same dtype."""
+    def _sequence_mean(self, statistic: torch.Tensor, seq_ids: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Per-token mean (or sum) of ``statistic`` over its whole sequence (across SP shards); detached."""
         sums = torch.zeros(self.loss_kwargs.num_sequences, dtype=torch.float64, device=statistic.device)
         sums.index_add_(0, seq_ids, statistic.detach().double())
         if sp_size(self.sp_mesh) > 1:  # a sequence's shards live on the ranks of its SP group
             all_reduce(sums, group=sp_group(self.sp_mesh))
-        means = sums / self.seq_token_counts.double().clamp(min=1)
-        return means[seq_ids].to(statistic.dtype)
+        if reduction == "mean":
+            sums = sums / self.seq_token_counts.double().clamp(min=1)
+        return sums[seq_ids].to(statistic.dtype)
 
     def _valid_tokens(self) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Flat indices of the valid tokens, and every per-token field gathered at them."""
@@ -306,6 +307,8 @@ class BaseRLLossContext:
             "advantages",
             "old_logprobs",
             "ref_logprobs",
+            "rollout_logprobs",
+            "rollout_is_weights",
             "policy_loss_weight",
             "kl_loss_weight",
         )
@@ -344,7 +347,6 @@ class BaseRLLossContext:
             raise ValueError("pass exactly one of logprobs=... or hidden_states=... (with head_weight=...)")
         labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
         index, tokens = self._valid_tokens()
-        spec = self.loss_cfg.policy_loss_cfg.spec
         if logprobs is not None:
             if tuple(logprobs.shape) != labels_shape:
                 raise ValueError(
@@ -356,8 +358,8 @@ class BaseRLLossContext:
             if bad:
                 raise FloatingPointError(f"logprobs has {bad} non-finite value(s) at valid tokens")
             seq_mean = None
-            if spec.sequence_statistic is not None:
-                seq_mean = self._sequence_mean(self._statistic(token_logprobs.detach(), tokens), tokens["seq_ids"])
+            if self._needs_sequence_pass():
+                seq_mean = self._sequence_terms(token_logprobs.detach(), tokens)
             loss, metrics = self._objective(token_logprobs, slice(None), None, tokens, seq_mean)
             detached = token_logprobs.detach()
         else:
@@ -374,8 +376,8 @@ class BaseRLLossContext:
                 )
             hidden = hidden_states.reshape(-1, hidden_states.shape[-1])[index]
             seq_mean = None
-            if spec.sequence_statistic is not None:
-                # Sequence-level losses need every token's log-prob first: a no-grad pass, then the chunked one.
+            if self._needs_sequence_pass():
+                # Per-sequence terms need every token's log-prob first: a no-grad pass, then the chunked one.
                 token_logprobs, _ = chunked_logprobs(
                     hidden.detach(),
                     head_weight.detach(),
@@ -385,7 +387,7 @@ class BaseRLLossContext:
                     matmul_dtype=matmul_dtype,
                     compile_epilogue=self.loss_cfg.compile_epilogue,
                 )
-                seq_mean = self._sequence_mean(self._statistic(token_logprobs, tokens), tokens["seq_ids"])
+                seq_mean = self._sequence_terms(token_logprobs, tokens)
 
             deferred = self.deferred_rollout_is_mask is not None
             detached = torch.empty(index.shape, dtype=torch.float64, device=hidden.device) if deferred else None
@@ -418,10 +420,46 @@ class BaseRLLossContext:
             raise FloatingPointError(f"the loss of this micro-batch is not finite ({float(loss)}); metrics: {summary}")
         return loss * self.grad_scale, metrics
 
-    def _statistic(self, token_logprobs: torch.Tensor, tokens: dict[str, torch.Tensor | None]) -> torch.Tensor:
-        cfg = self.loss_cfg.policy_loss_cfg
+    def _needs_sequence_pass(self) -> bool:
+        """Whether the loss needs per-sequence statistics of the current log-probs before any token's loss."""
+        cfg = self.loss_cfg
+        return (
+            cfg.policy_loss_cfg.spec.sequence_statistic is not None
+            or cfg.off_policy_mask_threshold is not None
+            or cfg.kl_bias_correction == "sequence"
+        )
+
+    def _sequence_terms(
+        self, token_logprobs: torch.Tensor, tokens: dict[str, torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """Per-sequence statistics of the detached current log-probs `(N,)`, broadcast to tokens.
+
+        Returns the policy loss's ``seq_mean`` (or `None`) and adds to ``tokens``: ``opsm_keep`` (the off-policy
+        sequence mask), and for sequence-level KL bias correction ``kl_seq_ratio`` (``s_i``) and ``kl_seq_coupling``
+        (``s_i · mean_t w_t·k_t``, the factor of the ratio's gradient; see `_kl_term`).
+        """
+        cfg = self.loss_cfg
+        pcfg = cfg.policy_loss_cfg
+        seq_ids = tokens["seq_ids"]
         old = tokens["old_logprobs"] if tokens["old_logprobs"] is not None else token_logprobs
-        return cfg.spec.sequence_statistic(token_logprobs, old, tokens["advantages"], cfg)
+        seq_mean = None
+        if pcfg.spec.sequence_statistic is not None:
+            extra = {"rollout_is_weights": tokens["rollout_is_weights"]} if pcfg.spec.absorbs_rollout_is else {}
+            statistic = pcfg.spec.sequence_statistic(token_logprobs, old, tokens["advantages"], pcfg, **extra)
+            seq_mean = self._sequence_mean(statistic, seq_ids, reduction=pcfg.spec.sequence_reduction)
+        if cfg.off_policy_mask_threshold is not None:
+            # DeepSeek-V3.2 OPSM as TRL: KL(rollout ‖ π_θ) estimated per sequence; tokens the rollout engine could
+            # not score (NaN) give no evidence.
+            behaviour = tokens["rollout_logprobs"] if tokens["rollout_logprobs"] is not None else old
+            seq_kl = self._sequence_mean(torch.nan_to_num(behaviour - token_logprobs, nan=0.0), seq_ids)
+            tokens["opsm_keep"] = (tokens["advantages"] >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)
+        if cfg.kl_bias_correction == "sequence":
+            ratio = self._sequence_mean(token_logprobs - old, seq_ids).exp()
+            kl = kl_penalty(token_logprobs, tokens["ref_logprobs"], cfg.kl_loss_type)
+            weighted_kl = kl * tokens["kl_loss_weight"]
+            tokens["kl_seq_ratio"] = ratio
+            tokens["kl_seq_coupling"] = ratio * self._sequence_mean(weighted_kl, seq_ids)
+        return seq_mean
 
     def _empty_metrics(self, from_hidden: bool, device) -> dict[str, torch.Tensor]:
         """Every metric key this context emits, at its neutral value, so every rank reduces the same keys."""
@@ -442,6 +480,8 @@ class BaseRLLossContext:
         if self.loss_cfg.use_kl_loss:
             metrics["loss/kl"] = zero
             metrics[P + "ref_kl_sum"] = zero
+        if self.loss_cfg.off_policy_mask_threshold is not None:
+            metrics[P + "opsm_masked_count"] = zero
         if from_hidden and self.loss_cfg.compute_entropy:
             metrics[P + "entropy_sum"] = zero
             metrics[P + "entropy_tokens"] = zero
@@ -458,6 +498,7 @@ class GRPOLossContext(BaseRLLossContext):
         *,
         process_group=None,
         grad_averaging_size: int | None = None,
+        step_fraction: float = 1.0,
     ) -> list[BaseRLLossContext]:
         """Make the micro-batches of one optimizer step ready: global denominators and per-token weights.
 
@@ -471,7 +512,12 @@ class GRPOLossContext(BaseRLLossContext):
                 the whole world.
             grad_averaging_size (`int`, *optional*): how many ranks average the gradients (DDP/FSDP); each returned
                 loss is multiplied by it. Defaults to the size of `process_group`.
+            step_fraction (`float`, *optional*, defaults to `1.0`): the share of the optimizer step these
+                micro-batches stand for, when a step is normalized in groups (a step spanning two generation batches,
+                see `RLLossGRPOTrainer`): every policy and KL weight is multiplied by it.
         """
+        if not 0.0 < step_fraction <= 1.0:
+            raise ValueError(f"step_fraction={step_fraction} must be in (0, 1]")
         if not contexts:
             raise ValueError("build_batches needs the micro-batches of the step (got an empty list)")
         cfg = contexts[0].loss_cfg
@@ -505,10 +551,12 @@ class GRPOLossContext(BaseRLLossContext):
 
         for ctx, seq_counts in zip(contexts, counts):
             kw = ctx.loss_kwargs
-            weights = aggregation_weights(
+            weights = step_fraction * aggregation_weights(
                 ctx.mask, kw.seq_ids, seq_counts, cfg.agg_mode, global_tokens, global_sequences, cfg.loss_scale_factor
             )
-            policy_weight = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
+            policy_weight = weights
+            if kw.rollout_is_weights is not None and not cfg.policy_loss_cfg.spec.absorbs_rollout_is:
+                policy_weight = weights * kw.rollout_is_weights
             kw.policy_loss_weight = torch.where(ctx.mask, policy_weight, 0.0)
             kw.kl_loss_weight = weights * cfg.kl_loss_coef if cfg.use_kl_loss else None
             kw.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
@@ -547,19 +595,43 @@ class GRPOLossContext(BaseRLLossContext):
         per_token, indicators = pcfg.spec.fn(
             logprobs, old, advantages, pcfg, seq_mean=None if seq_mean is None else seq_mean[sl]
         )
-        # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
-        policy = torch.where(tokens["policy_loss_weight"][sl] != 0, per_token * tokens["policy_loss_weight"][sl], 0.0)
-        policy = policy.sum()
+        weight = tokens["policy_loss_weight"][sl]
         metrics = train_policy_metrics(logprobs.detach(), old, indicators, entropy)
+        if "opsm_keep" in tokens:
+            keep = tokens["opsm_keep"][sl]
+            weight = torch.where(keep, weight, 0.0)
+            metrics[P + "opsm_masked_count"] = (~keep).float().sum()
+        # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
+        policy = torch.where(weight != 0, per_token * weight, 0.0).sum()
         metrics["loss/policy"] = policy.detach()
         total = policy
         if cfg.use_kl_loss:
-            kl = kl_penalty(logprobs, tokens["ref_logprobs"][sl], cfg.kl_loss_type)
-            kl_loss = (kl * tokens["kl_loss_weight"][sl]).sum()
+            kl, kl_loss = self._kl_term(logprobs, old, sl, tokens)
             total = total + kl_loss
             metrics["loss/kl"] = kl_loss.detach()
             metrics[P + "ref_kl_sum"] = kl.detach().sum()
         return total, metrics
+
+    def _kl_term(self, logprobs, old, sl, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token KL estimate ``k_t`` and the weighted KL loss of a chunk.
+
+        With ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``) the loss is ``Σ_t w_t·k_t·ρ_t`` with a
+        differentiable ratio ``ρ``: ``"token"``, ``ρ_t = r_t``; ``"sequence"``, ``ρ_t = s_i = exp(mean_u log r_u)``,
+        whose gradient couples the tokens of a sequence. That term is written per token as
+        ``s_i·w_t·k_t + sg(s_i·mean_u w_u·k_u)·(log π_t − sg(log π_t))``: summed over the sequence, the value is
+        ``s_i·Σ_t w_t·k_t`` and the gradient ``s_i·Σ_t w_t·∇k_t + s_i·(Σ_u w_u·k_u)·mean_t ∇log π_t``, exactly.
+        """
+        cfg = self.loss_cfg
+        pcfg = cfg.policy_loss_cfg
+        weight = tokens["kl_loss_weight"][sl]
+        kl = kl_penalty(logprobs, tokens["ref_logprobs"][sl], cfg.kl_loss_type)
+        if cfg.kl_bias_correction == "token":
+            ratio = (logprobs - old).clamp(pcfg.log_prob_diff_min, pcfg.log_prob_diff_max).exp()
+            return kl, (kl * ratio * weight).sum()
+        if cfg.kl_bias_correction == "sequence":
+            coupling = tokens["kl_seq_coupling"][sl] * (logprobs - logprobs.detach())
+            return kl, (tokens["kl_seq_ratio"][sl] * kl * weight + coupling).sum()
+        return kl, (kl * weight).sum()
 
 
 def train_policy_metrics(

@@ -40,6 +40,7 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     P + "clip_low_count": Reduction.SUM,
     P + "clip_high_count": Reduction.SUM,
     P + "dual_clip_count": Reduction.SUM,
+    P + "opsm_masked_count": Reduction.SUM,
     P + "ref_kl_sum": Reduction.SUM,
     P + "entropy_sum": Reduction.SUM,
     ENTROPY_TOKENS: Reduction.SUM,
@@ -50,6 +51,7 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     # ranks is the step's loss.
     "loss/policy": Reduction.SUM,
     "loss/kl": Reduction.SUM,
+    "loss/router_aux": Reduction.SUM,
     "loss/total": Reduction.SUM,
 }
 
@@ -61,6 +63,7 @@ _MEANS = {
     P + "clip_frac_low": (P + "clip_low_count", VALID_TOKENS),
     P + "clip_frac_high": (P + "clip_high_count", VALID_TOKENS),
     P + "dual_clip_frac": (P + "dual_clip_count", VALID_TOKENS),
+    P + "opsm_masked_frac": (P + "opsm_masked_count", VALID_TOKENS),
     P + "ref_kl": (P + "ref_kl_sum", VALID_TOKENS),
     P + "entropy": (P + "entropy_sum", ENTROPY_TOKENS),
 }

@@ -18,6 +18,7 @@ Formulas follow verl's ``core_algos.py`` (https://github.com/volcengine/verl). N
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,15 +39,22 @@ class PolicyLossSpec:
         fn (`Callable`): ``fn(logprobs, old_logprobs, advantages, cfg, seq_mean=None)`` returning
             ``(per_token_loss, indicators)``.
         sequence_statistic (`Callable` or `None`): ``stat(logprobs, old_logprobs, advantages, cfg) -> (N,)``, whose
-            per-sequence mean the loss needs as ``seq_mean``; `None` for token-separable losses.
+            per-sequence mean (or sum, see `sequence_reduction`) the loss needs as ``seq_mean``; `None` for
+            token-separable losses.
         default_agg_mode (`str`): aggregation used when the config leaves ``loss_agg_mode`` unset (the paper's).
         defaults (`dict`): values of unset ``policy_loss_cfg`` fields for this loss (e.g. GSPO's tiny clip ranges).
+        sequence_reduction (`str`, defaults to `"mean"`): `"mean"` or `"sum"`, how `sequence_statistic` is reduced
+            over each sequence (VESPO's weight is a function of the *sum* of the log-ratios).
+        absorbs_rollout_is (`bool`, defaults to `False`): the rollout IS weights enter the loss through its sequence
+            statistic (called with ``rollout_is_weights=...``), instead of multiplying the per-token loss.
     """
 
     fn: PolicyLossFn
     sequence_statistic: Callable[..., torch.Tensor] | None = None
     default_agg_mode: str = "token-mean"
     defaults: dict[str, Any] = field(default_factory=dict)
+    sequence_reduction: str = "mean"
+    absorbs_rollout_is: bool = False
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
@@ -58,13 +66,19 @@ def register_policy_loss(
     sequence_statistic: Callable[..., torch.Tensor] | None = None,
     default_agg_mode: str = "token-mean",
     defaults: dict[str, Any] | None = None,
+    sequence_reduction: str = "mean",
+    absorbs_rollout_is: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` (see :class:`PolicyLossSpec` for the arguments)."""
     if default_agg_mode not in AGG_MODES:
         raise ValueError(f"default_agg_mode={default_agg_mode!r}; allowed: {', '.join(AGG_MODES)}")
+    if sequence_reduction not in ("mean", "sum"):
+        raise ValueError(f"sequence_reduction={sequence_reduction!r}; allowed: mean, sum")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        _REGISTRY[name] = PolicyLossSpec(fn, sequence_statistic, default_agg_mode, dict(defaults or {}))
+        _REGISTRY[name] = PolicyLossSpec(
+            fn, sequence_statistic, default_agg_mode, dict(defaults or {}), sequence_reduction, absorbs_rollout_is
+        )
         return fn
 
     return decorator
@@ -100,8 +114,11 @@ def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cfg) -> torch
 
 
 def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
-    """``max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))`` and which branch was chosen."""
-    unclipped = -advantages * ratio
+    """``max(−A·r', −A·clip(r, 1−ε_low, 1+ε_high))`` and which branch was chosen.
+
+    ``r' = min(r, δ)`` with ``δ = cfg.delta`` (INTELLECT-2's two-sided clip, TRL's ``delta``), else ``r' = r``.
+    """
+    unclipped = -advantages * (ratio if cfg.delta is None else ratio.clamp(max=cfg.delta))
     clipped = -advantages * ratio.clamp(1 - cfg.cliprange_low, 1 + cfg.cliprange_high)
     clip_active = (clipped > unclipped).detach()
     indicators = {"clip_low": clip_active & (advantages < 0), "clip_high": clip_active & (advantages > 0)}
@@ -113,10 +130,15 @@ def vanilla_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> Loss
     """Dual-clip PPO (Ye et al. 2019, https://arxiv.org/abs/1912.09729) with asymmetric clip ranges (DAPO).
 
     ``ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))``, and for ``A < 0`` additionally ``min(ℓ, −c·A)`` with
-    ``c = clip_ratio_c``. ``log r`` is clamped to ``[log_prob_diff_min, log_prob_diff_max]``.
+    ``c = clip_ratio_c`` (none when `None`). ``log r`` is clamped to ``[log_prob_diff_min, log_prob_diff_max]``.
+    With ``delta`` set, the unclipped branch uses ``min(r, δ)`` (INTELLECT-2, https://arxiv.org/abs/2505.07291):
+    TRL's ``-min(min(r, δ)·A, clip(r)·A)``.
     """
     ratio = _log_ratio(logprobs, old_logprobs, cfg).exp()  # (N,)
     loss, indicators = _ppo_clip(ratio, advantages, cfg)
+    if cfg.clip_ratio_c is None:
+        indicators["dual_clip"] = torch.zeros_like(advantages, dtype=torch.bool)
+        return loss, indicators
     dual_bound = -cfg.clip_ratio_c * advantages
     dual_active = ((advantages < 0) & (dual_bound < loss)).detach()
     indicators["dual_clip"] = dual_active
@@ -149,14 +171,36 @@ def gspo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOut
 def cispo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): ``ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ``.
 
-    The IS weight is clipped, never the gradient, so every token keeps contributing. The paper effectively disables
-    the lower bound: set ``cliprange_low`` close to 1 for that. TRL's absolute cap ``ε_max`` is ``1 + cliprange_high``.
+    The IS weight is clipped, never the gradient, so every token keeps contributing. The paper disables the lower
+    bound: ``cliprange_low=1`` does that exactly (a floor of 0). TRL's absolute cap ``ε_max`` is
+    ``1 + cliprange_high``; for CISPO, ``cliprange_high`` may be negative (a cap below 1, as TRL allows).
     """
     ratio = _log_ratio(logprobs, old_logprobs, cfg).exp()
-    clipped_ratio = ratio.clamp(1 - cfg.cliprange_low, 1 + cfg.cliprange_high).detach()
+    return _cispo(ratio, logprobs, advantages, cfg)
+
+
+def _cispo(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
+    """``−sg(clip(w, 1−ε_low, 1+ε_high))·A·log π_θ`` for an IS weight ``w`` (token or sequence level)."""
     ratio = ratio.detach()
+    clipped_ratio = ratio.clamp(1 - cfg.cliprange_low, 1 + cfg.cliprange_high)
     indicators = {"clip_low": ratio < 1 - cfg.cliprange_low, "clip_high": ratio > 1 + cfg.cliprange_high}
     return -clipped_ratio * advantages * logprobs, indicators
+
+
+@register_policy_loss(
+    "cispo_seq",
+    sequence_statistic=_gspo_statistic,
+    defaults={"cliprange_low": 0.2, "cliprange_high": 0.2},
+)
+def cispo_seq_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
+    """Sequence-level CISPO (TRL's ``loss_type="cispo"`` with ``importance_sampling_level="sequence"``).
+
+    ``ℓ_t = −sg(clip(s_i, 1−ε_low, 1+ε_high))·A·log π_θ(o_t)`` with ``log s_i = mean_t log r_t`` (GSPO's sequence
+    ratio, clamped to ``[log_prob_diff_min, log_prob_diff_max]``). The weight is a constant, so the loss stays
+    token-separable given ``s_i``: well defined under any aggregation and sequence-parallel split.
+    """
+    seq_ratio = seq_mean.clamp(cfg.log_prob_diff_min, cfg.log_prob_diff_max).exp()
+    return _cispo(seq_ratio, logprobs, advantages, cfg)
 
 
 @register_policy_loss("gpg")
@@ -172,10 +216,54 @@ def sapo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOut
     ``ℓ = −σ(τ·(r − 1))·(4/τ)·A`` with ``τ = tau_pos`` where ``A > 0`` and ``tau_neg`` otherwise. Its gradient at
     ``r = 1`` equals the unclipped PPO gradient.
     """
-    ratio = _log_ratio(logprobs, old_logprobs, cfg).exp()
+    return _sapo_gate(_log_ratio(logprobs, old_logprobs, cfg).exp(), advantages, cfg)
+
+
+def _sapo_gate(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
     tau = torch.where(advantages > 0, cfg.tau_pos, cfg.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
     return -gate * advantages, {}
+
+
+@register_policy_loss("sapo_seq", sequence_statistic=_gspo_statistic, default_agg_mode="seq-mean-token-mean")
+def sapo_seq_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
+    """Sequence-level SAPO (TRL's ``loss_type="sapo"`` with ``importance_sampling_level="sequence"``).
+
+    SAPO's gate on GSPO's token form of the sequence ratio ``s_t = sg(s_i)·π_θ(o_t)/sg(π_θ(o_t))``, ``log s_i =
+    mean_t log r_t`` (clamped to ``[log_prob_diff_min, log_prob_diff_max]``): every token's value is
+    ``−σ(τ·(s_i − 1))·(4/τ)·A`` and, under ``seq-mean-token-mean`` (SAPO's), the gradient is that of the sequence
+    objective exactly, as for GSPO.
+    """
+    log_seq_ratio = (seq_mean + logprobs - logprobs.detach()).clamp(cfg.log_prob_diff_min, cfg.log_prob_diff_max)
+    return _sapo_gate(log_seq_ratio.exp(), advantages, cfg)
+
+
+_VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's (and the VESPO reference's) floor on the sequence log-weight
+
+
+def _vespo_statistic(logprobs, old_logprobs, advantages, cfg, rollout_is_weights=None) -> torch.Tensor:
+    # Summed over the sequence: log w_i = Σ_t clamp(log r_t, ±20) (+ Σ_t log of the rollout IS weights).
+    stat = (logprobs - old_logprobs).clamp(-20.0, 20.0)
+    if rollout_is_weights is not None:
+        stat = stat + rollout_is_weights.log().clamp(_VESPO_LOG_W_MIN, 20.0)
+    return stat
+
+
+@register_policy_loss("vespo", sequence_statistic=_vespo_statistic, sequence_reduction="sum", absorbs_rollout_is=True)
+def vespo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
+    """VESPO (https://huggingface.co/papers/2602.10693) as TRL's ``vespo``: ``ℓ_t = −sg(φ(w_i))·A·log π_θ(o_t)``.
+
+    ``φ(w) = e^λ·w^k·e^{−λw}`` (a gamma kernel with ``φ(1) = 1``) of the sequence IS weight
+    ``w_i = exp(clamp(Σ_t log r_t, log 1e-8, 20))``, with ``(k, λ) = (vespo_k_pos, vespo_lambda_pos)`` where
+    ``A ≥ 0`` and ``(vespo_k_neg, vespo_lambda_neg)`` otherwise. Here ``seq_mean`` is the per-sequence *sum*. The
+    rollout IS weights (e.g. TRL's vLLM correction) multiply ``w_i`` instead of the loss, as in TRL.
+    """
+    log_w = seq_mean.clamp(_VESPO_LOG_W_MIN, 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).to(log_w.dtype)
+    phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+    return -phi * advantages * logprobs, {}
 
 
 def _gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, cfg) -> torch.Tensor:

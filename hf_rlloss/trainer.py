@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import is_peft_model
+from accelerate.utils import is_peft_available, is_peft_model
 from datasets import IterableDataset
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -59,6 +60,11 @@ from .sequence_parallel import (
 )
 from .trainer_config import RLLossGRPOConfig
 
+if is_peft_available():  # peft is optional: without it no head can be wrapped
+    from peft.utils.other import ModulesToSaveWrapper
+else:
+    ModulesToSaveWrapper = None
+
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
 logger = logging.get_logger(__name__)
@@ -87,6 +93,30 @@ def _logit_scale(text_config: Any) -> float:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
     return 1.0 if scale is None else float(scale)
+
+
+def _load_balancing_loss_func(lm: nn.Module):
+    """The MoE load-balancing loss its causal-LM class computes in `forward` (transformers' per-model
+    `load_balancing_loss_func`, e.g. Switch-Transformer style for Qwen3-MoE, Mixtral, GPT-OSS)."""
+    fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+    if fn is None or not hasattr(lm, "num_experts") or not hasattr(lm, "num_experts_per_tok"):
+        raise ValueError(
+            f"{type(lm).__name__} declares output_router_logits but its module has no load_balancing_loss_func (or "
+            "the model no num_experts / num_experts_per_tok): set router_aux_loss_coef=0.0 to train without the "
+            "router auxiliary loss"
+        )
+    return fn
+
+
+def _active_head(head: nn.Module) -> nn.Module:
+    """The module a PEFT `ModulesToSaveWrapper` around the LM head forwards to now (mirroring its `forward`): the
+    active adapter's trainable copy, or the original head while adapters are disabled; any other head as is."""
+    if ModulesToSaveWrapper is None or not isinstance(head, ModulesToSaveWrapper):
+        return head
+    active = head.active_adapters
+    if head.disable_adapters or not active or any(name not in head.modules_to_save for name in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
 
 
 # Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
@@ -285,6 +315,17 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `steps_per_generation == gradient_accumulation_steps` and on-policy data, TRL's `dapo` and this trainer's
     `token-mean` give the same update.
 
+    **Steps spanning two generations.** When `steps_per_generation × num_iterations` is not a multiple of
+    `gradient_accumulation_steps` (e.g. 4 × 2 with 3), TRL lets an optimizer step take its last micro-batches from
+    the next generation batch, which does not exist yet when the step's first micro-batch runs its backward. Such a
+    step is normalized in *groups*: the micro-batches up to the end of the current generation batch form one group,
+    normalized over its own micro-batches on all ranks (one `build_batches`), and the next group is built when the
+    next generation batch arrives. A group of `k` of the step's `n` micro-batches is weighted `k / n`
+    (`step_fraction`), so the step's loss is `Σ_g (k_g / n)·L_g`, `L_g` the group's aggregated loss. This equals the
+    global normalization when the groups' micro-batches hold the same number of tokens (sequences) on average, and
+    is exactly TRL's update for the sequence-normalized modes (`grpo`, `dr_grpo`, `luspo`, `sapo`: every
+    micro-batch holds `per_device_train_batch_size` sequences).
+
     **Gradient-accumulation scaling.** `loss_is_scaled_for_ga = True` makes transformers' `Trainer.training_step`
     use the returned loss as is (it would otherwise divide by `current_gradient_accumulation_steps`), and the
     `Trainer` builds its `Accelerator` with `gradient_accumulation_steps=1`, so `accelerator.backward` does not divide
@@ -363,9 +404,20 @@ class RLLossGRPOTrainer(GRPOTrainer):
     `build_loss_context` to modify the context), set `RLLossGRPOConfig.loss_config_class` to use another loss
     configuration class, and `compute_hidden_states` / `get_head_weight` for models with an unusual layout.
 
-    **Not supported** (rejected at construction): vision-language models, MoE router auxiliary losses, final-logit
-    softcapping, an LM head with a bias or a PEFT adapter. A logit scale (`logit_scale`, `logits_scaling`, …) is
-    folded into the temperature.
+    **A PEFT-wrapped LM head.** A head trained in full through PEFT (`modules_to_save=["lm_head"]`, a
+    `ModulesToSaveWrapper`) is read through its wrapper as its forward would: the active adapter's copy for the
+    loss, the original head while the adapter is disabled (the reference, `use_adapter(model, None)`).
+
+    **MoE router load-balancing loss.** When TRL enables it (`aux_loss_enabled`: the model declares
+    `output_router_logits` and `router_aux_loss_coef` — TRL's, else the model config's — is non-zero), the backbone
+    returns its router logits with the hidden states and the model's own `load_balancing_loss_func` (over the
+    micro-batch's prompt and completion tokens) is added as TRL adds it: `router_aux_loss_coef × aux_loss /
+    gradient_accumulation_steps` per micro-batch, averaged over ranks. It is logged as TRL's `aux_loss` and as
+    `loss/router_aux`. Not with sequence parallelism (a shard does not see the micro-batch's routing statistics).
+
+    **Not supported** (rejected at construction): vision-language models, final-logit softcapping, an LM head with
+    a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`, `logits_scaling`, …) is folded into
+    the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -423,18 +475,22 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         if self._is_vlm:
             raise ValueError("RLLossGRPOTrainer does not support vision-language models yet")
-        if self.aux_loss_enabled:
+        if self.aux_loss_enabled and args.sp_size > 1:
             raise ValueError(
-                "RLLossGRPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0.0 to train "
-                "without it"
+                f"sp_size={args.sp_size}: the MoE router load-balancing loss is a product of means over all tokens "
+                "of a micro-batch, which one SP shard does not see; set router_aux_loss_coef=0.0 to train without it"
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
         self._check_model_supported(unwrapped)
+        if self.aux_loss_enabled:
+            _load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
         text_config = unwrapped.config.get_text_config()
         self._loss_temperature = self.temperature / _logit_scale(text_config)
 
         self._forward_redirection = _ForwardRedirection()
         self._rl_pending: deque[BaseRLLossContext] = deque()
+        self._rl_step_remaining = 0  # micro-batches of the current optimizer step without a context yet
+        self._rl_step_size = 0
         self._rl_step_metrics: dict[str, Any] = {}
         self.sp_mesh = None
         self._sp_defer_logps = False  # set while TRL scores a generation batch under SP (see _generate_and_score...)
@@ -745,7 +801,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{name} scales its logits by {_logit_scale(text_config)}: not supported")
         if getattr(lm, "base_model", lm) is lm:
             raise ValueError(f"{name} has no separate backbone (base_model): its last hidden states are not reachable")
-        head = lm.get_output_embeddings()
+        head = _active_head(lm.get_output_embeddings())
         if not isinstance(head, nn.Linear):
             raise ValueError(f"{name}'s output embedding is {type(head).__name__}, not a plain nn.Linear LM head")
         if head.bias is not None:
@@ -757,8 +813,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast.
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
+        with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
 
         Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
         sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
@@ -770,14 +828,19 @@ class RLLossGRPOTrainer(GRPOTrainer):
             # trainer's log-probs see the same positions as the rollout's (not offset by the left padding).
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         extra = {} if position_ids is None else {"position_ids": position_ids}
+        if output_router_logits:
+            extra["output_router_logits"] = True
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        if output_router_logits:
+            return outputs.last_hidden_state, outputs.router_logits
         return outputs.last_hidden_state
 
     def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
-        """The `(V, H)` LM-head weight. Inside the root module's forward (`_call_through_wrapper`) FSDP2 has already
-        unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`, differentiable)."""
-        weight = self._causal_lm(unwrapped).get_output_embeddings().weight
+        """The `(V, H)` LM-head weight, read through a PEFT `modules_to_save` wrapper. Inside the root module's forward
+        (`_call_through_wrapper`) FSDP2 has already unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`,
+        differentiable)."""
+        weight = _active_head(self._causal_lm(unwrapped).get_output_embeddings()).weight
         if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
         return weight
@@ -1124,8 +1187,16 @@ class RLLossGRPOTrainer(GRPOTrainer):
         for key, name in optional.items():
             if inputs.get(key) is not None:
                 data[name] = inputs[key]
-        if inputs.get("importance_sampling_ratio") is not None:
-            data["rollout_is_weights"] = inputs["importance_sampling_ratio"].expand_as(labels)
+        ratio = inputs.get("importance_sampling_ratio")
+        if ratio is not None:
+            if ratio.shape[-1] == 1 and self.rl_loss_config.policy_loss_cfg.spec.absorbs_rollout_is:
+                # TRL's sequence-level ratio (B, 1) enters VESPO's Σ_t log w once: put it on each sequence's first
+                # valid token, 1 elsewhere (the loss sums the log-weights over the sequence)
+                valid = labels != self.rl_loss_config.ignore_idx
+                first = valid & (valid.long().cumsum(dim=1) == 1)
+                data["rollout_is_weights"] = torch.where(first, ratio, torch.ones_like(ratio))
+            else:
+                data["rollout_is_weights"] = ratio.expand_as(labels)
         return data
 
     def build_loss_context(self, inputs: dict[str, Any]) -> BaseRLLossContext:
@@ -1160,22 +1231,29 @@ class RLLossGRPOTrainer(GRPOTrainer):
         return out
 
     def _build_step_contexts(self) -> None:
-        """At the first micro-batch of an optimizer step: the contexts of all its micro-batches, normalized once."""
-        n = self.current_gradient_accumulation_steps
+        """The contexts of the next group of micro-batches of the optimizer step, normalized together.
+
+        A group is the rest of the step, or up to the end of the current generation batch if the step spans two
+        (the next one is not generated yet). It is normalized on its own and weighted by its share `k / n` of the
+        step's `n` micro-batches (`step_fraction`); a step within one generation is a single group.
+        """
+        if self._rl_step_remaining == 0:  # the first micro-batch of an optimizer step
+            self._rl_step_size = self._rl_step_remaining = self.current_gradient_accumulation_steps
+            self._rl_step_metrics = {}
         spg = self.args.steps_per_generation
         generate_every = spg * self.num_iterations
-        if any((self._step + i) % generate_every == 0 for i in range(1, n)):
-            raise RuntimeError(
-                f"optimizer step at micro-step {self._step} would span two generations (gradient accumulation "
-                f"{n}, steps_per_generation × num_iterations = {generate_every})"
-            )
+        # TRL's `_prepare_inputs` has already handed out (and `_step` not yet counted) the current micro-batch
+        k = min(self._rl_step_remaining, generate_every - self._step % generate_every)
+        first = self._rl_step_size - self._rl_step_remaining  # index in the step of the group's first micro-batch
         contexts = []
-        for i in range(n):
-            with _overridden(self, _rl_micro_batch=i):  # named by the errors about this micro-batch's data
+        for i in range(k):
+            with _overridden(self, _rl_micro_batch=first + i):  # named by the errors about this micro-batch's data
                 contexts.append(self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]))
-        type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
+        type(contexts[0]).build_batches(
+            contexts, grad_averaging_size=self.accelerator.num_processes, step_fraction=k / self._rl_step_size
+        )
+        self._rl_step_remaining -= k
         self._rl_pending = deque(contexts)
-        self._rl_step_metrics = {}
 
     def _prepare_inputs(self, generation_batch):
         if self.sp_mesh is None:
@@ -1192,7 +1270,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             self._build_step_contexts()
         inputs = dict(inputs)
         inputs["rl_loss_context"] = self._rl_pending.popleft()
-        inputs["rl_loss_last_micro_batch"] = not self._rl_pending
+        inputs["rl_loss_last_micro_batch"] = not self._rl_pending and self._rl_step_remaining == 0
         return inputs
 
     # ------------------------------------------------------------------------------------------------------------
@@ -1214,13 +1292,43 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
             )
 
+    def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
+        """`_loss_forward` for an MoE policy whose router load-balancing loss is trained (`aux_loss_enabled`).
+
+        The backbone returns its router logits with the hidden states; the loss is the model's own
+        `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as the model's forward (and so
+        TRL) computes it. Returns the loss layer's `(loss, metrics)` and the micro-batch's aux loss.
+        """
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        length = completion_ids.size(1)
+        hidden, router_logits = self.compute_hidden_states(
+            unwrapped, input_ids, attention_mask, output_router_logits=True
+        )
+        lm = self._causal_lm(unwrapped)
+        aux_loss = _load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+        weight = self.get_head_weight(unwrapped)
+        with maybe_gather_lm_head_ctx(weight):
+            hidden, weight, matmul_dtype = self._head_inputs(hidden[:, -length - 1 : -1], weight)
+            loss, metrics = ctx(
+                hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
+            )
+        return loss, metrics, aux_loss
+
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         ctx = inputs.get("rl_loss_context")
         if ctx is None:  # evaluation: every batch is its own step
             ctx = self.build_loss_context(inputs)
             type(ctx).build_batches([ctx], grad_averaging_size=self.accelerator.num_processes)
-        loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
+        if self.aux_loss_enabled:
+            loss, metrics, aux_loss = self._call_through_wrapper(
+                model, self._loss_forward_with_router_aux, inputs, ctx
+            )
+            loss, metrics = self._add_router_aux_loss(loss, metrics, aux_loss, mode)
+        else:
+            loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
         if mode == "train":
             self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
             if inputs.get("rl_loss_last_micro_batch", True):
@@ -1245,6 +1353,23 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if losses:
             output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         return output
+
+    def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
+        """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL.
+
+        TRL adds it per micro-batch on every rank, and DDP averages over ranks: the term is not multiplied by the
+        number of ranks (unlike the loss layer's, see `build_batches`). `loss/router_aux` (and `loss/total`) count
+        it divided by the ranks, so that their sum over micro-batches and ranks is the step's loss; TRL's `aux_loss`
+        metric (the micro-batch's load-balancing loss, averaged over ranks) is logged as TRL does.
+        """
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        term = self.router_aux_loss_coef * aux_loss.to(loss.device) / accumulation
+        metrics = dict(metrics)
+        share = term.detach() / self.accelerator.num_processes
+        metrics["loss/router_aux"] = share
+        metrics["loss/total"] = metrics["loss/total"] + share
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+        return loss + term, metrics
 
     def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""

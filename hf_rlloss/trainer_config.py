@@ -6,8 +6,8 @@ The loss layer replaces TRL's loss, so the TRL options that configured it (`loss
 * without `rl_loss`, they are **mapped** onto an equivalent loss config (see `trl_options_to_rl_loss`);
 * with `rl_loss`, any of them left at a non-default value must agree with `rl_loss`, otherwise construction fails
   with a message naming the `rl_loss` key to use;
-* the TRL loss features the layer has no equivalent for (`delta`, `top_entropy_quantile < 1`,
-  `off_policy_mask_threshold`, the entropy bonus, `loss_type="vespo"`) are rejected.
+* the TRL loss features the layer has no equivalent for yet (`top_entropy_quantile < 1`, the entropy bonus) are
+  rejected.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from .config import BaseRLLossConfig, GRPOLossConfig
 
 logger = logging.getLogger(__name__)
 
-# TRL's cispo has no lower bound on the IS weight; the loss layer's cispo clips at `1 - cliprange_low`, which must be
-# < 1. This leaves a floor of 1e-6 on the ratio, i.e. a log-ratio below -13.8: none in practice.
-CISPO_NO_LOWER_BOUND = 1.0 - 1e-6
+# TRL's cispo has no lower bound on the IS weight; the loss layer's cispo clips it at `1 - cliprange_low` = 0.
+CISPO_NO_LOWER_BOUND = 1.0
 
 # TRL loss_type -> (policy loss of the loss layer, aggregation)
 _TRL_LOSS_TYPES = {
@@ -41,20 +40,14 @@ _TRL_LOSS_TYPES = {
     "luspo": ("vanilla", "seq-mean-token-sum"),
     "cispo": ("cispo", "token-mean"),
     "sapo": ("sapo", "seq-mean-token-mean"),
+    "vespo": ("vespo", "token-mean"),
 }
+# the sequence-level (importance_sampling_level="sequence") form of each policy loss
+_SEQUENCE_LEVEL = {"vanilla": "gspo", "cispo": "cispo_seq", "sapo": "sapo_seq", "vespo": "vespo"}
 
 # TRL loss features without an equivalent in the loss layer: option -> (is it in use?, what to do instead)
 _UNSUPPORTED = {
-    "delta": (
-        lambda v: v is not None,
-        "TRL's two-sided clip (INTELLECT-2) has no equivalent; the loss layer's `vanilla` loss has a dual clip for "
-        "negative advantages instead (rl_loss.policy_loss_cfg.clip_ratio_c)",
-    ),
     "top_entropy_quantile": (lambda v: v < 1.0, "the high-entropy token mask is not supported by the loss layer"),
-    "off_policy_mask_threshold": (
-        lambda v: v is not None,
-        "off-policy sequence masking (OPSM) is not supported by the loss layer",
-    ),
     "entropy_coef": (lambda v: v != 0.0, "the entropy bonus is not supported by the loss layer"),
     "use_adaptive_entropy": (lambda v: bool(v), "the adaptive entropy bonus is not supported by the loss layer"),
 }
@@ -83,14 +76,18 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
     | `loss_type="grpo"` | `vanilla`, `seq-mean-token-mean` |
     | `loss_type="dr_grpo"` | `vanilla`, `seq-mean-token-sum-norm`, `loss_scale_factor=max_completion_length` |
     | `loss_type="luspo"` | `vanilla`, `seq-mean-token-sum` |
-    | `loss_type="cispo"` | `cispo`, `token-mean`, `cliprange_high = epsilon_high − 1` (TRL's cap is absolute) |
+    | `loss_type="cispo"` | `cispo`, `token-mean`, `cliprange_low=1` (no floor), `cliprange_high = epsilon_high − 1`
+    (TRL's cap is absolute; a cap < 1 is accepted with a warning) |
     | `loss_type="sapo"` | `sapo` with `tau_pos/neg = sapo_temperature_pos/neg`, `seq-mean-token-mean` |
-    | `importance_sampling_level="sequence"` | `gspo` instead of `vanilla` |
+    | `loss_type="vespo"` | `vespo` with `vespo_k_pos/neg`, `vespo_lambda_pos/neg`, `token-mean` |
+    | `importance_sampling_level="sequence"` | `gspo`, `cispo_seq`, `sapo_seq` instead of `vanilla`, `cispo`, `sapo` |
     | `epsilon`, `epsilon_high` | `policy_loss_cfg.cliprange_low`, `cliprange_high` |
+    | `delta` | `policy_loss_cfg.delta` (PPO-clip losses; TRL ignores it for the others, so does the mapping) |
+    | `off_policy_mask_threshold` | `off_policy_mask_threshold` |
     | `beta > 0` | `use_kl_loss=True`, `kl_loss_type="k3"`, `kl_loss_coef=beta` |
+    | `use_bias_correction_kl` (with `beta > 0`) | `kl_bias_correction` = `importance_sampling_level` |
 
-    The `vanilla` loss adds a dual clip (`clip_ratio_c=3`) for negative advantages that TRL's losses do not have; it
-    is only active where the ratio exceeds 3.
+    The PPO-clip (`vanilla`) mapping sets `clip_ratio_c=None`: TRL's losses have no dual clip.
     """
     loss_type = args.loss_type
     if loss_type not in _TRL_LOSS_TYPES:
@@ -100,18 +97,18 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
         )
     policy_loss, agg_mode = _TRL_LOSS_TYPES[loss_type]
     source = {"policy_loss_cfg.loss_type": "loss_type", "loss_agg_mode": "loss_type"}
-    if args.importance_sampling_level == "sequence":
-        if policy_loss != "vanilla":
+    level = args.importance_sampling_level
+    if level == "sequence":
+        if policy_loss not in _SEQUENCE_LEVEL:
             raise ValueError(
                 f"importance_sampling_level='sequence' with loss_type={loss_type!r} has no equivalent in the loss "
                 "layer; use rl_loss.policy_loss_cfg.loss_type='gspo' (or 'geo_mean') instead"
             )
-        policy_loss = "gspo"
-        source["policy_loss_cfg.loss_type"] = "importance_sampling_level"
-    elif args.importance_sampling_level != "token":
-        raise ValueError(
-            f"importance_sampling_level={args.importance_sampling_level!r}; expected 'token' or 'sequence'"
-        )
+        if _SEQUENCE_LEVEL[policy_loss] != policy_loss:
+            policy_loss = _SEQUENCE_LEVEL[policy_loss]
+            source["policy_loss_cfg.loss_type"] = "importance_sampling_level"
+    elif level != "token":
+        raise ValueError(f"importance_sampling_level={level!r}; expected 'token' or 'sequence'")
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     high_source = "epsilon_high" if args.epsilon_high is not None else "epsilon"
     policy: dict[str, Any] = {"loss_type": policy_loss}
@@ -120,29 +117,57 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
         policy["cliprange_high"] = epsilon_high
         source["policy_loss_cfg.cliprange_low"] = "epsilon"
         source["policy_loss_cfg.cliprange_high"] = high_source
-    elif policy_loss == "cispo":
-        if epsilon_high <= 1.0:
-            raise ValueError(
-                f"loss_type='cispo' caps the IS weight at epsilon_high={epsilon_high} (an absolute cap, < 1 here: "
-                "every token would be clipped). Set epsilon_high > 1 (ScaleRL uses 5.0), or configure "
-                "rl_loss.policy_loss_cfg.cliprange_high (relative: the cap is 1 + cliprange_high)"
-            )
+        if policy_loss == "vanilla":
+            policy["clip_ratio_c"] = None  # TRL's PPO-clip losses have no dual clip
+        if args.delta is not None:
+            policy["delta"] = args.delta
+            source["policy_loss_cfg.delta"] = "delta"
+    elif policy_loss in ("cispo", "cispo_seq"):
         policy["cliprange_low"] = CISPO_NO_LOWER_BOUND
-        policy["cliprange_high"] = epsilon_high - 1.0
+        policy["cliprange_high"] = _cispo_cliprange_high(epsilon_high)
         source["policy_loss_cfg.cliprange_high"] = high_source
-    elif policy_loss == "sapo":
+    elif policy_loss in ("sapo", "sapo_seq"):
         policy["tau_pos"] = args.sapo_temperature_pos
         policy["tau_neg"] = args.sapo_temperature_neg
         source["policy_loss_cfg.tau_pos"] = "sapo_temperature_pos"
         source["policy_loss_cfg.tau_neg"] = "sapo_temperature_neg"
+    elif policy_loss == "vespo":
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            policy[name] = getattr(args, name)
+            source[f"policy_loss_cfg.{name}"] = name
+    if args.delta is not None and "delta" not in policy:
+        logger.warning("delta=%s is ignored with loss_type=%r (as TRL does)", args.delta, loss_type)
     rl_loss: dict[str, Any] = {"policy_loss_cfg": policy, "loss_agg_mode": agg_mode}
     if agg_mode == "seq-mean-token-sum-norm":
         rl_loss["loss_scale_factor"] = float(args.max_completion_length)
         source["loss_scale_factor"] = "max_completion_length"
+    if args.off_policy_mask_threshold is not None:
+        rl_loss["off_policy_mask_threshold"] = args.off_policy_mask_threshold
+        source["off_policy_mask_threshold"] = "off_policy_mask_threshold"
     if args.beta != 0.0:
         rl_loss.update(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=args.beta)
         source.update({"use_kl_loss": "beta", "kl_loss_coef": "beta"})
+        if args.use_bias_correction_kl:
+            rl_loss["kl_bias_correction"] = level
+            source["kl_bias_correction"] = "use_bias_correction_kl"
     return rl_loss, source
+
+
+def _cispo_cliprange_high(epsilon_high: float) -> float:
+    """TRL's absolute CISPO cap `epsilon_high` (ε_max) as the loss layer's relative `cliprange_high`."""
+    if epsilon_high <= 0.0:
+        raise ValueError(
+            f"loss_type='cispo' caps the IS weight at epsilon_high={epsilon_high} (an absolute cap): it must be > 0, "
+            "or every token's weight would be <= 0 and flip the sign of its advantage. ScaleRL uses 5.0"
+        )
+    if epsilon_high < 1.0:
+        logger.warning(
+            "loss_type='cispo' caps the IS weight at epsilon_high=%s (an absolute cap, as in TRL): below 1, every "
+            "token with a ratio above it, on-policy ones included, is weighted %s. ScaleRL recommends 5.0.",
+            epsilon_high,
+            epsilon_high,
+        )
+    return epsilon_high - 1.0
 
 
 def _get_dotted(cfg: BaseRLLossConfig, key: str) -> Any:
@@ -228,8 +253,9 @@ class RLLossGRPOConfig(GRPOConfig):
     Precision: as in TRL, `bf16` defaults to `True` unless `fp16` is set, and it overrides the accelerate config's
     `mixed_precision` (DDP then autocasts to bf16, while DeepSpeed casts the weights themselves to bf16); when the two
     disagree a warning names both (`precision_mismatch_warning`). Set `bf16` explicitly (`bf16: false` for fp32).
-    Optimizer steps must not straddle two generations: `steps_per_generation × num_iterations` must be a multiple of
-    `gradient_accumulation_steps`, because the loss of a step is normalized over all of its micro-batches at once.
+    Any batch layout TRL accepts works: when `steps_per_generation × num_iterations` is not a multiple of
+    `gradient_accumulation_steps`, an optimizer step may span two generation batches and is normalized in groups
+    (see `RLLossGRPOTrainer`, "Steps spanning two generations").
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["rl_loss"]
@@ -306,13 +332,6 @@ class RLLossGRPOConfig(GRPOConfig):
         for name, (in_use, why) in _UNSUPPORTED.items():
             if in_use(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
-        generate_every = self.steps_per_generation * self.num_iterations
-        if generate_every % self.gradient_accumulation_steps != 0:
-            raise ValueError(
-                f"steps_per_generation × num_iterations ({self.steps_per_generation} × {self.num_iterations}) must "
-                f"be a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps}): the loss of an "
-                "optimizer step is normalized over all of its micro-batches, which must come from one generation"
-            )
         self.rl_loss_config = self._build_rl_loss_config()
         self._check_rollout_is_backend()
 
@@ -371,13 +390,6 @@ class RLLossGRPOConfig(GRPOConfig):
     def _build_rl_loss_config(self) -> BaseRLLossConfig:
         if self.rl_loss is None:
             mapped, _ = trl_options_to_rl_loss(self)
-            if self.beta != 0.0 and self.use_bias_correction_kl:
-                logger.warning(
-                    "beta=%s is mapped to rl_loss.kl_loss_coef with kl_loss_type='k3'. TRL's "
-                    "use_bias_correction_kl=True (multiplying the KL by the policy ratio) has no equivalent in the "
-                    "loss layer and is not applied; set use_bias_correction_kl=False to silence this warning.",
-                    self.beta,
-                )
             return self._validate_rl_loss(mapped)
         data = dict(self.rl_loss)
         if data.get("loss_agg_mode") == "seq-mean-token-sum-norm" and data.get("loss_scale_factor") is None:

@@ -12,7 +12,14 @@ CASES = [
     ("vanilla", "seq-mean-token-mean", "token"),
     ("gspo", "seq-mean-token-mean", "sequence"),
     ("geo_mean", "seq-mean-token-sum", "geometric"),
+    ("vespo", "token-mean", "token"),  # sequence sums of log-ratios and of folded IS weights, OPSM, KL × s_i
+    ("cispo_seq", "seq-mean-token-mean", None),
 ]
+# TRL-mapped sequence terms (issue 12), per loss type: their per-sequence statistics are reduced over the SP group
+_EXTRA = {
+    "vespo": {"off_policy_mask_threshold": 0.0, "kl_bias_correction": "sequence"},
+    "cispo_seq": {"kl_bias_correction": "token"},
+}
 LENGTH = 7  # odd: not divisible by sp, so the last shard is padded
 
 
@@ -26,6 +33,7 @@ def _config(loss_type, mode, is_level):
         kl_loss_type="k3",
         kl_loss_coef=0.1,
         chunk_size=3,
+        **_EXTRA.get(loss_type, {}),
     )
 
 

@@ -339,6 +339,13 @@ def test_rollout_func_logprobs_reach_the_loss(tok, tmp_path):
         ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, ("gspo", "seq-mean-token-sum", 0.2, 0.2)),
         ({"loss_type": "cispo", "epsilon_high": 5.0}, ("cispo", "token-mean", CISPO_NO_LOWER_BOUND, 4.0)),
         ({"loss_type": "sapo"}, ("sapo", "seq-mean-token-mean", None, None)),
+        ({"loss_type": "cispo", "importance_sampling_level": "sequence"}, ("cispo_seq", "token-mean", 1.0, -0.8)),
+        ({"loss_type": "vespo"}, ("vespo", "token-mean", None, None)),
+        (
+            {"loss_type": "sapo", "importance_sampling_level": "sequence"},
+            ("sapo_seq", "seq-mean-token-mean", None, None),
+        ),
+        ({"loss_type": "grpo", "delta": 1.5}, ("vanilla", "seq-mean-token-mean", 0.2, 0.2)),
     ],
 )
 def test_trl_options_mapping(tmp_path, options, expected):
@@ -364,12 +371,11 @@ def test_trl_options_mapping(tmp_path, options, expected):
         ({"rl_loss": {"use_kl_loss": True, "kl_loss_type": "k3"}, "beta": 0.04}, r"rl_loss\.kl_loss_coef"),
         ({"rl_loss": {}, "epsilon_high": 0.28}, r"rl_loss\.policy_loss_cfg\.cliprange_high"),
         ({"rl_loss": {}, "loss_type": "grpo"}, r"loss_type='grpo' conflicts with rl_loss"),
-        ({"loss_type": "vespo"}, r"rl_loss\.policy_loss_cfg\.loss_type"),
-        ({"loss_type": "cispo"}, r"epsilon_high"),
-        ({"delta": 2.0}, r"delta=2.0 is not supported"),
+        ({"loss_type": "cispo", "epsilon_high": 0.0}, r"epsilon_high=0.0.*must be > 0"),
+        ({"delta": 1.0}, r"delta=1.0 must be > 1"),
+        ({"off_policy_mask_threshold": -0.1}, r"off_policy_mask_threshold"),
         ({"top_entropy_quantile": 0.2}, r"top_entropy_quantile"),
         ({"entropy_coef": 0.01}, r"entropy bonus"),
-        ({"gradient_accumulation_steps": 4, "steps_per_generation": 2}, r"multiple of gradient_accumulation_steps"),
         ({"sp_size": 0}, r"sp_size"),
     ],
 )

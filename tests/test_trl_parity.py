@@ -1,0 +1,289 @@
+"""Parity with stock TRL 1.16 `GRPOTrainer` for the TRL GRPO options the loss layer maps (issue 12).
+
+Each test trains stock `GRPOTrainer` (`GRPOConfig`) and `RLLossGRPOTrainer` (`RLLossGRPOConfig`) with the same TRL
+options, the same tiny model, seed and completions (`FixedCompletions`: a function of the prompt only), and compares
+the parameters after 3 optimizer steps. SGD keeps float round-off from being amplified. `num_iterations=2` makes the
+second step off-policy (old log-probs differ from the current ones), so ratio-dependent terms are exercised.
+
+Where our normalization (global over the optimizer step) and TRL's (per micro-batch, or by the generation batch's
+token count) could differ, the layout is TRL's parity layout (`steps_per_generation == gradient_accumulation_steps`),
+except in the uneven-layout test, which uses a sequence-normalized loss (`grpo`), equal in both for any layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _trainer_utils import (
+    BASE_ARGS,
+    make_dataset,
+    make_model,
+    make_tokenizer,
+    patch_generation,
+    reward_digit,
+    reward_length,
+    trainable_snapshot,
+)
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+
+torch.set_num_threads(1)
+
+TOLERANCE = 1e-6
+COMMON = dict(max_steps=3, gradient_accumulation_steps=2, num_iterations=2, optim="sgd", learning_rate=0.05)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def _run(tok, trainer_cls, args, model, **kwargs):
+    trainer = trainer_cls(
+        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok, **kwargs
+    )
+    patch_generation(trainer, tok)
+    before = trainable_snapshot(trainer.model)
+    trainer.train()
+    return trainer, before, trainable_snapshot(trainer.model)
+
+
+def _parity(tok, tmp_path, model=None, trainer_kwargs=None, **options):
+    """Train stock TRL and RLLossGRPOTrainer with the same options; return our trainer's step logs and the largest
+    parameter difference. `model` makes a fresh model (or returns a path) for each run."""
+    options = {**BASE_ARGS, **COMMON, **options}
+    model = model or (lambda: make_model(tok))
+    trainer_kwargs = trainer_kwargs or {}
+    stock = GRPOConfig(output_dir=str(tmp_path / "trl"), **options)
+    ours = RLLossGRPOConfig(output_dir=str(tmp_path / "ours"), **options)
+    _, before, trl_after = _run(tok, GRPOTrainer, stock, model(), **trainer_kwargs)
+    trainer, our_before, our_after = _run(tok, RLLossGRPOTrainer, ours, model(), **trainer_kwargs)
+    assert trl_after.keys() == our_after.keys() == before.keys()
+    assert all(torch.equal(before[k], our_before[k]) for k in before), "the two runs must start from the same model"
+    moved = max((trl_after[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
+    diff = max((trl_after[k] - our_after[k]).abs().max().item() for k in before)
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == options["max_steps"]
+    for log in logs:  # the Trainer's loss is the step's loss, in every layout
+        assert abs(log["loss"] - log["loss/total"]) < 1e-5
+    return trainer, logs, diff
+
+
+def _saved_model(tok, tmp_path):
+    """A model saved to disk: stock TRL with beta > 0 loads its reference from the policy's path."""
+    path = tmp_path / "model"
+    make_model(tok).save_pretrained(path)
+    return lambda: str(path)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The sequence-normalized loss types mapped before issue 12 (dapo: test_trainer.py::test_parity_with_trl_dapo)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "luspo", "sapo"])
+def test_sequence_normalized_loss_types(tok, tmp_path, loss_type):
+    _, _, diff = _parity(tok, tmp_path, loss_type=loss_type)
+    assert diff < TOLERANCE, diff
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 3: off-policy sequence mask, the two-sided delta clip, VESPO
+
+
+def test_off_policy_sequence_mask(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", off_policy_mask_threshold=0.01)
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.off_policy_mask_threshold == 0.01
+    assert logs[0]["train_policy/opsm_masked_frac"] == 0.0  # on-policy: nothing to drop
+    assert 0.0 < logs[1]["train_policy/opsm_masked_frac"] < 1.0  # off-policy: some negative-advantage sequences
+
+
+def test_delta_two_sided_clip(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", delta=1.02)
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.policy_loss_cfg.delta == 1.02
+    assert logs[1]["train_policy/ratio_max"] > 1.02  # the clip min(r, delta) is active on some tokens
+
+
+def test_vespo(tok, tmp_path):
+    options = dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0, vespo_lambda_neg=1.5)
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="vespo", **options)
+    pcfg = trainer.rl_loss_config.policy_loss_cfg
+    assert pcfg.loss_type == "vespo" and (pcfg.vespo_k_pos, pcfg.vespo_lambda_neg) == (1.5, 1.5)
+    assert diff < TOLERANCE, diff
+    assert logs[1]["train_policy/ratio_abs_dev_mean"] > 1e-3  # off-policy: the gamma weight is not 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 4: CISPO with TRL's epsilon_high (absolute cap), token and sequence level
+
+
+@pytest.mark.parametrize(
+    "epsilon_high,level,loss",
+    [(0.5, "token", "cispo"), (1.02, "token", "cispo"), (1.02, "sequence", "cispo_seq")],
+)
+def test_cispo(tok, tmp_path, caplog, epsilon_high, level, loss):
+    trainer, logs, diff = _parity(
+        tok, tmp_path, loss_type="cispo", epsilon_high=epsilon_high, importance_sampling_level=level
+    )
+    pcfg = trainer.rl_loss_config.policy_loss_cfg
+    assert pcfg.loss_type == loss and pcfg.cliprange_low == 1.0
+    assert diff < TOLERANCE, diff
+    if epsilon_high < 1:
+        assert "absolute cap" in caplog.text
+        assert logs[0]["train_policy/clip_frac_high"] == 1.0  # every on-policy weight 1 is capped at 0.5
+    elif level == "token":
+        assert logs[1]["train_policy/clip_frac_high"] > 0.0
+
+
+def test_sapo_sequence_level(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="sapo", importance_sampling_level="sequence")
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.policy_loss_cfg.loss_type == "sapo_seq"
+    assert logs[1]["train_policy/ratio_abs_dev_mean"] > 1e-3  # off-policy: s_i ≠ 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 8: the KL term weighted by the policy ratio (use_bias_correction_kl)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bias_corrected_kl(tok, tmp_path, level):
+    trainer, logs, diff = _parity(
+        tok,
+        tmp_path,
+        model=_saved_model(tok, tmp_path),
+        loss_type="dapo",
+        beta=0.1,
+        use_bias_correction_kl=True,
+        importance_sampling_level=level,
+    )
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.kl_bias_correction == level
+    assert logs[1]["train_policy/ref_kl"] > 0  # the KL and its ratio-weighted gradient are non-trivial
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 9: an optimizer step spanning two generation batches
+
+
+def test_uneven_layout_step_spans_two_generations(tok, tmp_path):
+    # 4 × 2 = 8 micro-steps per generation, 3 per optimizer step: step 3 takes micro-steps 6, 7 (generation 1) and
+    # 8 (generation 2), normalized as two groups weighted 2/3 and 1/3. `grpo` normalizes per sequence, and every
+    # micro-batch holds the same number of sequences, so this equals TRL's per-micro-batch normalization exactly.
+    trainer, logs, diff = _parity(
+        tok, tmp_path, loss_type="grpo", steps_per_generation=4, gradient_accumulation_steps=3, num_iterations=2
+    )
+    assert diff < TOLERANCE, diff
+    assert trainer._step == 9 and trainer._rl_step_remaining == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 10: an LM head trained through PEFT (modules_to_save), KL to the adapter-disabled reference
+
+
+def test_peft_modules_to_save_head(tok, tmp_path):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    trainer, logs, diff = _parity(
+        tok,
+        tmp_path,
+        model=lambda: make_model(tok, tie=False),
+        trainer_kwargs={"peft_config": peft_config},
+        loss_type="dapo",
+        beta=0.1,
+    )
+    assert diff < TOLERANCE, diff
+    head = trainer.model.get_output_embeddings()
+    assert type(head).__name__ == "ModulesToSaveWrapper"
+    trained = head.modules_to_save["default"].weight
+    assert not torch.equal(trained, head.original_module.weight)  # the head copy trained, the original did not
+    assert logs[1]["train_policy/ref_kl"] > 0  # the reference (adapter and head copy disabled) is the base model
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 5: the MoE router load-balancing loss (a tiny Qwen3-MoE)
+
+
+def _tiny_moe(tok, family: str):
+    """A tiny Qwen3-MoE (experts in every layer) or GPT-OSS (experts, attention sinks, sliding-window layers)."""
+    from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.1,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **common)
+        )
+    else:
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=32, num_local_experts=4, sliding_window=8, **common))
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.mark.slow  # the MoE experts run slowly on CPU
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_router_aux_loss(tok, tmp_path, family):
+    # 2 steps (the second off-policy) keep the slow MoE runs short
+    trainer, logs, diff = _parity(tok, tmp_path, model=lambda: _tiny_moe(tok, family), loss_type="dapo", max_steps=2)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1  # the model config's coefficient
+    assert diff < TOLERANCE, diff
+    for log in logs:
+        assert log["aux_loss"] > 0 and log["loss/router_aux"] > 0
+        # TRL's `aux_loss` is the mean of the micro-batches' losses; coef × aux / GA summed over the 2 micro-batches
+        assert log["loss/router_aux"] == pytest.approx(0.1 * log["aux_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("sequence_level", [False, True])
+def test_vespo_folds_trls_vllm_is_ratio_as_trl(sequence_level):
+    """TRL's vLLM IS ratio (token `(B, T)` or sequence `(B, 1)`, TRL's default `sequence_mask`) enters VESPO's
+    sequence weight, not the loss: `build_loss_data` + the loss layer equal TRL's own `get_gamma_weights` loss."""
+    from types import SimpleNamespace
+
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    old = -torch.rand(3, 4) - 0.5
+    lp = (old + 0.3 * torch.randn(3, 4)).double().requires_grad_(True)
+    advantages = torch.tensor([1.0, -0.5, -1.0])
+    # TRL's ratio is exp((old − sampling)·mask): 1 at padding; 0 where a mask mode rejected
+    ratio = (
+        torch.tensor([[1.5], [0.0], [0.7]]) if sequence_level else torch.where(mask == 1, torch.rand(3, 4) + 0.5, 1.0)
+    )
+    inputs = {
+        "completion_ids": torch.randint(0, 5, (3, 4)),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "importance_sampling_ratio": ratio,
+    }
+    cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": "vespo"})
+    data = RLLossGRPOTrainer.build_loss_data(SimpleNamespace(rl_loss_config=cfg), inputs)
+    ctx = cfg.build(data)
+    GRPOLossContext.build_batches([ctx])
+    ours = ctx(logprobs=lp)[0]
+
+    maskd = mask.double()
+    phi = GRPOTrainer.get_gamma_weights(advantages[:, None].double(), (lp - old).detach(), maskd, ratio.double())
+    trl = (-phi * advantages[:, None] * lp * maskd).sum() / maskd.sum()  # dapo normalization, one micro-batch
+    torch.testing.assert_close(ours, trl)
+    torch.testing.assert_close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(trl, lp)[0])
