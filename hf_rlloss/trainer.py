@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -20,7 +21,7 @@ from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
+from trl.models.utils import _ForwardRedirection
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import (
     create_model_from_path,
@@ -58,6 +59,31 @@ def _overridden(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) -> Iterator[None]:
+    """TRL's `disable_gradient_checkpointing` under transformers 5's names (the `gradient_checkpointing*` ones warn)."""
+    was_enabled = model.is_activation_checkpointing
+    if was_enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+
+# TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring; transformers keeps them working
+# until v6. Silenced only inside those TRL calls (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
+_TRL_DEPRECATED_ALIASES = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
+
+
+@contextlib.contextmanager
+def _trl_deprecated_aliases_silenced() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRL_DEPRECATED_ALIASES + " is deprecated", category=FutureWarning)
+        yield
 
 
 def _logit_scale(text_config: Any) -> float:
@@ -746,10 +772,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         old_logps_deferred = False
         if self.sp_mesh is None:
-            batch = super()._generate_and_score_completions(inputs)
+            with _trl_deprecated_aliases_silenced():
+                batch = super()._generate_and_score_completions(inputs)
         else:
             self._sp_deferred_old_logps = False
-            with _overridden(self, _sp_defer_logps=True):
+            with _overridden(self, _sp_defer_logps=True), _trl_deprecated_aliases_silenced():
                 batch = super()._generate_and_score_completions(inputs)
             batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
             old_logps_deferred = self._sp_deferred_old_logps
@@ -759,12 +786,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["old_per_token_logps"] = self.compute_per_token_logps(
                     self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size
                 )
         if self.rl_loss_config.use_kl_loss:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
 
