@@ -63,7 +63,7 @@ def _overridden(obj: Any, **values: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) -> Iterator[None]:
-    """TRL's `disable_gradient_checkpointing` under transformers 5's names (the `gradient_checkpointing*` ones warn)."""
+    """TRL's `disable_gradient_checkpointing` with transformers 5's names (the `gradient_checkpointing*` ones warn)."""
     was_enabled = model.is_activation_checkpointing
     if was_enabled:
         model.activation_checkpointing_disable()
