@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from datasets import IterableDataset
+from huggingface_hub import ModelCard
 from torch import nn
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
@@ -35,6 +37,7 @@ from trl.trainer.utils import (
 from .chunked_logprobs import chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
+from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
 from .sequence_parallel import (
     build_sp_mesh,
@@ -924,3 +927,35 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
         for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():
             self._metrics[mode][key].append(float(value))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Model card
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        """TRL's model card, completed for the Hub by `hf_rlloss.hub.complete_model_card`.
+
+        Args:
+            model_name (`str`, *optional*, defaults to the name of `output_dir`):
+                The card's title.
+            dataset_name (`str`, *optional*):
+                The training dataset (the card's `datasets` metadata).
+            tags (`str` or `list[str]`, *optional*):
+                Tags added to `trl`, `grpo` and `hf-rlloss`.
+            base_model (`str`, *optional*):
+                The model trained from: its `base_model` metadata when it is a Hub id, else named in the text.
+                Defaults to TRL's choice (the policy's `config._name_or_path` unless it is a local folder).
+        """
+        if not self.is_world_process_zero():
+            return
+        model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        local_path = None if self.hub_model_id else os.path.abspath(self.args.output_dir)
+        card = complete_model_card(ModelCard.load(path), self.rl_loss_config.to_dict(), base_model, local_path)
+        card.save(path)
