@@ -77,8 +77,9 @@ def _activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) ->
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
-# TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring; transformers keeps them working
-# until v6. Silenced only inside those TRL calls (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
+# TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring, and PEFT's `get_peft_model` (called
+# by TRL's __init__) reads one; transformers keeps them working until v6. Silenced only inside those calls
+# (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
 _TRL_DEPRECATED_ALIASES = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
 
 
@@ -306,7 +307,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         # TRL must neither build a reference model (it would reload it from `config._name_or_path`, which fails for
         # in-memory models) nor compute reference log-probs: the KL is the loss layer's (rl_loss.use_kl_loss).
-        with _overridden(args, beta=0.0, sync_ref_model=False):
+        with _overridden(args, beta=0.0, sync_ref_model=False), _trl_deprecated_aliases_silenced():
             super().__init__(
                 model=model,
                 reward_funcs=reward_funcs,
