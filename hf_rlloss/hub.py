@@ -2,7 +2,8 @@
 
 TRL's card (`GRPOTrainer.create_model_card`) has the tags, the dataset and the library, but its base model is `None`
 whenever the policy was loaded from a local folder (as the recipes do for built-in models), its quick start names a
-`None` repository before a push, and the loss configuration is only in the pickled `training_args.bin`.
+`None` repository before a push, it links built-in datasets to Hub pages that do not exist, and the loss
+configuration is only in the pickled `training_args.bin`.
 `complete_model_card` fixes these on the parsed card (`huggingface_hub.ModelCard`), so the result still parses.
 """
 
@@ -18,10 +19,11 @@ from huggingface_hub.utils import validate_repo_id
 LOSS_SECTION_TITLE = "## Loss configuration (hf_rlloss)"
 
 
-def is_hub_model_id(name: str | None) -> bool:
-    """Whether `name` can be a Hub model id (`name` or `owner/name`): not a local folder, not a `builtin:` name.
+def is_hub_repo_id(name: str | None) -> bool:
+    """Whether `name` can be a Hub repository id (`name` or `owner/name`): not a local folder, not a `builtin:` name.
 
-    Only such a name goes into the card's `base_model` metadata; the Hub rejects other values there.
+    Only such a model name goes into the card's `base_model` metadata (the Hub rejects other values there), and only
+    such names are linked to the Hub in the card's text.
     """
     if not name or os.path.isdir(name):
         return False
@@ -59,17 +61,21 @@ def complete_model_card(
         local_path (`str`, *optional*):
             The output folder, named in the quick start when the card has no Hub repository yet.
     """
-    if is_hub_model_id(base_model):
+    if is_hub_repo_id(base_model):
         card.data.base_model = base_model
     origin = card.data.base_model or base_model
     # TRL's template renders a missing base model / repository as the string "None".
     none_link = "[None](https://huggingface.co/None)"
-    if origin and not is_hub_model_id(origin):
+    if origin and not is_hub_repo_id(origin):
         card.text = card.text.replace(none_link, f"`{origin}`")
     elif origin:
         card.text = card.text.replace(none_link, f"[{origin}](https://huggingface.co/{origin})")
     else:
         card.text = card.text.replace(f"a fine-tuned version of {none_link}", "a fine-tuned model")
+    datasets = card.data.datasets or []
+    for name in [datasets] if isinstance(datasets, str) else datasets:
+        if not is_hub_repo_id(name):  # e.g. builtin:arithmetic, generated offline: named, not linked
+            card.text = card.text.replace(f"[{name}](https://huggingface.co/datasets/{name})", f"`{name}`")
     if local_path is not None:
         card.text = card.text.replace('model="None"', f'model="{local_path}"')
     if LOSS_SECTION_TITLE not in card.text:

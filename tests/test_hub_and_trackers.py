@@ -21,7 +21,7 @@ from huggingface_hub import HfApi, ModelCard
 from hf_rlloss import GRPOLossConfig, RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.assets import SMOLLM2, TINY, hub_origin
 from hf_rlloss.callbacks import RunSummaryCallback
-from hf_rlloss.hub import complete_model_card, is_hub_model_id, loss_config_from_card
+from hf_rlloss.hub import complete_model_card, is_hub_repo_id, loss_config_from_card
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes/tiny/arithmetic/config_smoke.yaml"
@@ -110,7 +110,8 @@ def test_model_card_is_hub_ready(smoke_run):
     assert card.data.library_name == "transformers"
     assert card.data.datasets == "builtin:arithmetic"
     # The tiny model is a random init (no Hub origin): named in the text, not in the `base_model` metadata.
-    assert card.data.base_model is None and "fine-tuned version of `builtin:tiny-random`" in card.text
+    assert card.data.base_model is None
+    assert "fine-tuned version of `builtin:tiny-random` on the `builtin:arithmetic` dataset" in card.text
     assert "None" not in card.text.split("## Training procedure")[0]
     assert f'model="{smoke_run["out"]}"' in card.text  # the quick start loads the folder
     recorded = loss_config_from_card(card)
@@ -166,8 +167,8 @@ def test_run_summary_line():
 
 def test_base_model_metadata_only_for_hub_ids(tmp_path):
     assert hub_origin(SMOLLM2) == "HuggingFaceTB/SmolLM2-135M-Instruct" and hub_origin(TINY) == TINY
-    assert is_hub_model_id("Qwen/Qwen2.5-0.5B-Instruct") and is_hub_model_id("gpt2")
-    assert not is_hub_model_id(TINY) and not is_hub_model_id(str(tmp_path)) and not is_hub_model_id(None)
+    assert is_hub_repo_id("Qwen/Qwen2.5-0.5B-Instruct") and is_hub_repo_id("gpt2")
+    assert not is_hub_repo_id(TINY) and not is_hub_repo_id(str(tmp_path)) and not is_hub_repo_id(None)
     text = "---\ntags: [trl]\n---\n\nThis model is a fine-tuned version of [None](https://huggingface.co/None).\n"
     card = complete_model_card(ModelCard(text), {"use_kl_loss": False}, base_model="Qwen/Qwen2.5-0.5B-Instruct")
     card = ModelCard(str(card))  # still parses after the edits
