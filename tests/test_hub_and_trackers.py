@@ -30,6 +30,30 @@ STEPS = 2  # max_steps of the smoke recipe
 GROUPS = ("train_policy/", "loss/", "mismatch/", "rollout_is/")
 PROJECT = "hf-rlloss-smoke"
 
+# Runs the recipe with every connection to a non-loopback address refused and recorded (trackers must stay local).
+OFFLINE_RUNNER = """
+import runpy, socket, sys
+
+LOG, LOOPBACK = sys.argv[1], ("127.0.0.1", "::1", "localhost", "")
+def _refuse(host):
+    if str(host) not in LOOPBACK:
+        with open(LOG, "a") as log:
+            log.write(f"{host}\\n")
+        raise OSError(f"network access to {host} refused by the test")
+
+_connect, _getaddrinfo = socket.socket.connect, socket.getaddrinfo
+def connect(self, address):
+    if isinstance(address, tuple):
+        _refuse(address[0])
+    return _connect(self, address)
+def getaddrinfo(host, *args, **kwargs):
+    _refuse(host)
+    return _getaddrinfo(host, *args, **kwargs)
+socket.socket.connect, socket.getaddrinfo = connect, getaddrinfo
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
@@ -44,9 +68,13 @@ def smoke_run(tmp_path_factory):
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-W", "default", str(ROOT / "recipes/grpo.py"), "--config", str(tmp / "config.yaml")]
+    (tmp / "offline_runner.py").write_text(OFFLINE_RUNNER)
+    network_log = tmp / "network_attempts.txt"
+    recipe = [str(ROOT / "recipes/grpo.py"), "--config", str(tmp / "config.yaml")]
+    cmd = [sys.executable, "-W", "default", str(tmp / "offline_runner.py"), str(network_log), *recipe]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert not network_log.exists(), f"the run tried the network: {network_log.read_text()}"
     return {
         "out": tmp / "out",
         "trackio": tmp / "trackio",
