@@ -77,7 +77,7 @@ def worker(cli) -> None:
     model = Qwen2ForCausalLM(config).to(device)
     model.set_attn_implementation(register_ulysses_attention() if mesh is not None else "sdpa")
     if cli.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
 
     # one micro-batch of `seqs` sequences of tokens/seqs tokens each (a 128-token prompt, the rest completion)

@@ -114,6 +114,15 @@ def make_tiny_model(out_dir: str | os.PathLike | None = None, seed: int = 0) -> 
     return str(out)
 
 
+# Where a built-in model comes from on the Hub (its model card's `base_model`); the tiny model is a random init.
+HUB_ORIGINS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_origin(name_or_path: str) -> str:
+    """The Hub id a `builtin:` model was converted from (if any); other names are returned unchanged."""
+    return HUB_ORIGINS.get(name_or_path, name_or_path)
+
+
 def resolve_model(name_or_path: str) -> str:
     """A loadable path for `builtin:` names (prepared once, cached); other names are returned unchanged."""
     if name_or_path == SMOLLM2:

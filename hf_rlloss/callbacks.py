@@ -82,3 +82,46 @@ def plot_curves(history: list[dict], path: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+class RunSummaryCallback(TrainerCallback):
+    """Collect the accuracy reward and the step time of every training step, for the end-of-run summary line.
+
+    Args:
+        k (`int`, *optional*, defaults to `8`):
+            Steps averaged at the start and at the end of the run (all of them when the run is shorter).
+        reward_key (`str`, *optional*, defaults to `"rewards/accuracy_reward/mean"`):
+            The logged reward to summarize; TRL's total `reward` is used when it is not logged.
+    """
+
+    def __init__(self, k: int = 8, reward_key: str = "rewards/accuracy_reward/mean"):
+        self.k = k
+        self.reward_key = reward_key
+        self.rewards: list[float] = []
+        self.step_times: list[float] = []
+        self.summarized_key = reward_key
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "step_time" not in logs:  # only the logs of training steps carry TRL's step time
+            return
+        self.step_times.append(float(logs["step_time"]))
+        key = self.reward_key if self.reward_key in logs else "reward"
+        if key in logs:
+            self.rewards.append(float(logs[key]))
+            self.summarized_key = key
+
+    def summary(self, model_dir: str, curves: str | None = None) -> str:
+        """One line: the reward over the first and the last `k` steps, the mean step time, the curves, the model."""
+        name = "accuracy reward" if self.summarized_key == "rewards/accuracy_reward/mean" else self.summarized_key
+        k = min(self.k, len(self.rewards))
+        n = len(self.step_times)
+        parts = []
+        if k:
+            first, last = sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
+            parts.append(f"{name} {first:.2f} (first {k} steps) -> {last:.2f} (last {k} steps)")
+        if n:
+            parts.append(f"mean step time {sum(self.step_times) / n:.2f} s over {n} steps")
+        if curves:
+            parts.append(f"curves: {curves}")
+        parts.append(f"model: {model_dir}")
+        return "run summary: " + "; ".join(parts)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import is_peft_available, is_peft_model
 from datasets import IterableDataset
+from huggingface_hub import ModelCard
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import (
@@ -35,7 +38,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
+from trl.models.utils import _ForwardRedirection
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import (
     create_model_from_path,
@@ -49,6 +52,7 @@ from trl.trainer.utils import (
 from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
+from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
 from .sequence_parallel import (
     build_sp_mesh,
@@ -80,6 +84,32 @@ def _overridden(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) -> Iterator[None]:
+    """TRL's `disable_gradient_checkpointing` with transformers 5's names (the `gradient_checkpointing*` ones warn)."""
+    was_enabled = model.is_activation_checkpointing
+    if was_enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+
+# TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring, and PEFT's `get_peft_model` (called
+# by TRL's __init__) reads one; transformers keeps them working until v6. Silenced only inside those calls
+# (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
+_TRL_DEPRECATED_ALIASES = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
+
+
+@contextlib.contextmanager
+def _trl_deprecated_aliases_silenced() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRL_DEPRECATED_ALIASES + " is deprecated", category=FutureWarning)
+        yield
 
 
 def _logit_scale(text_config: Any) -> float:
@@ -454,7 +484,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         # TRL must neither build a reference model (it would reload it from `config._name_or_path`, which fails for
         # in-memory models) nor compute reference log-probs: the KL is the loss layer's (rl_loss.use_kl_loss).
-        with _overridden(args, beta=0.0, sync_ref_model=False):
+        with _overridden(args, beta=0.0, sync_ref_model=False), _trl_deprecated_aliases_silenced():
             super().__init__(
                 model=model,
                 reward_funcs=reward_funcs,
@@ -1096,10 +1126,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
         self._stashed_kept_logmass = None  # filled with the old log-probs when TRL computes them
         old_logps_deferred = False
         if self.sp_mesh is None:
-            batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
+            with _trl_deprecated_aliases_silenced():
+                batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
         else:
             self._sp_deferred_old_logps = False
-            with _overridden(self, _sp_defer_logps=True):
+            with _overridden(self, _sp_defer_logps=True), _trl_deprecated_aliases_silenced():
                 batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
             batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
             old_logps_deferred = self._sp_deferred_old_logps
@@ -1117,7 +1148,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 logps = self.compute_per_token_logps(
                     self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size, replay
                 )
@@ -1126,7 +1157,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             else:
                 batch["old_per_token_logps"], batch["old_kept_logmass"] = logps
         if self.rl_loss_config.use_kl_loss:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
 
@@ -1396,3 +1427,35 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
         with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
             return super().save_model(output_dir, _internal_call)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Model card
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        """TRL's model card, completed for the Hub by `hf_rlloss.hub.complete_model_card`.
+
+        Args:
+            model_name (`str`, *optional*, defaults to the name of `output_dir`):
+                The card's title.
+            dataset_name (`str`, *optional*):
+                The training dataset (the card's `datasets` metadata).
+            tags (`str` or `list[str]`, *optional*):
+                Tags added to `trl`, `grpo` and `hf-rlloss`.
+            base_model (`str`, *optional*):
+                The model trained from: its `base_model` metadata when it is a Hub id, else named in the text.
+                Defaults to TRL's choice (the policy's `config._name_or_path` unless it is a local folder).
+        """
+        if not self.is_world_process_zero():
+            return
+        model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        local_path = None if self.hub_model_id else os.path.abspath(self.args.output_dir)
+        card = complete_model_card(ModelCard.load(path), self.rl_loss_config.to_dict(), base_model, local_path)
+        card.save(path)

@@ -248,6 +248,10 @@ class RLLossGRPOConfig(GRPOConfig):
             steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
             `per_device_train_batch_size × (processes / sp_size) × steps_per_generation`.
 
+        activation_checkpointing (`bool`, *optional*, defaults to `True`):
+            TRL's default for activation (gradient) checkpointing, under transformers 5's name; the deprecated
+            `gradient_checkpointing` still works (with transformers' FutureWarning).
+
     The validated loss configuration is `config.rl_loss_config` (not a dataclass field: it is rebuilt from `rl_loss`
     and the TRL options on every construction, so saved and re-parsed configs give the same loss).
     Precision: as in TRL, `bf16` defaults to `True` unless `fp16` is set, and it overrides the accelerate config's
@@ -293,6 +297,14 @@ class RLLossGRPOConfig(GRPOConfig):
             "sampled support, which is then always used. Without truncation both are the same."
         },
     )
+    # transformers 5 renamed `gradient_checkpointing*` to `activation_checkpointing*` (the old names warn and go in
+    # v6). TRL 1.16 defaults the old name to True, which warns on every construction; here it defaults to None and
+    # `__post_init__` gives TRL's default to the new name, so only a user who sets the old name is warned. The old
+    # name keeps working: transformers copies it to the new one, then mirrors the new one back (TRL reads the old).
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of activation_checkpointing (which defaults to True here, as in TRL)."},
+    )
     sp_size: int = field(
         default=1,
         metadata={
@@ -311,6 +323,8 @@ class RLLossGRPOConfig(GRPOConfig):
                 "parallelism the generation batch is per_device_train_batch_size × (processes / sp_size) × "
                 "steps_per_generation)"
             )
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default, under the current name (no FutureWarning)
         user_bf16 = self.bf16
         super().__post_init__()
         mismatch = precision_mismatch_warning(

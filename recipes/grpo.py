@@ -25,8 +25,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.assets import resolve_model
-from hf_rlloss.callbacks import MetricsPlotCallback
+from hf_rlloss.assets import hub_origin, resolve_model
+from hf_rlloss.callbacks import MetricsPlotCallback, RunSummaryCallback
 from hf_rlloss.rewards import get_reward_funcs
 from hf_rlloss.tasks import ARITHMETIC, arithmetic_dataset, to_prompt_answer
 
@@ -111,6 +111,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     )
 
     # Stage 5: train
+    summary = RunSummaryCallback()
     trainer = RLLossGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -119,7 +120,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         eval_dataset=dataset.get(script_args.dataset_test_split) if training_args.eval_strategy != "no" else None,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[MetricsPlotCallback()] if script_args.plot else None,
+        callbacks=[summary, MetricsPlotCallback()] if script_args.plot else [summary],
     )
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.log_metrics("train", result.metrics)
@@ -127,14 +128,21 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     trainer.save_state()
 
     # Stage 6: save, model card, optional push to the Hub
+    card = {
+        "dataset_name": script_args.dataset_name,
+        "tags": ["hf-rlloss", "grpo"],
+        "base_model": hub_origin(model_args.model_name_or_path),
+    }
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
-        trainer.create_model_card(dataset_name=script_args.dataset_name, tags=["hf-rlloss", "grpo"])
+        trainer.create_model_card(**card)
         trainer.model.config.use_cache = True
         trainer.model.config.save_pretrained(training_args.output_dir)
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name, tags=["hf-rlloss", "grpo"])
-    logger.info("done: model, model card and metrics in %s", training_args.output_dir)
+        trainer.push_to_hub(**card)
+    if trainer.accelerator.is_main_process:
+        curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
+        print(summary.summary(training_args.output_dir, curves), flush=True)
 
 
 def parse_args(argv: list[str] | None = None):

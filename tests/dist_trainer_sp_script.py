@@ -34,7 +34,7 @@ CASES = {
     # GSPO (per-sequence ratio, reduced over the SP group), with gradient checkpointing (recomputed under SP)
     "gspo": (
         {"policy_loss_cfg": {"loss_type": "gspo", "cliprange_low": 0.03, "cliprange_high": 0.04}},
-        {"gradient_checkpointing": True},
+        {"activation_checkpointing": True},
         False,
     ),
     # sequence-level rollout IS (rejects and truncates whole sequences) with a KL to a reference copy

@@ -207,7 +207,7 @@ def test_peft_lora_with_kl_and_gradient_checkpointing(tok, tmp_path):
         tmp_path,
         max_steps=2,
         num_iterations=2,
-        gradient_checkpointing=True,
+        activation_checkpointing=True,
         rl_loss={"use_kl_loss": True, "kl_loss_type": "k3", "kl_loss_coef": 0.1},
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -223,7 +223,7 @@ def test_bf16_eval_checkpoint_and_model_card(tok, tmp_path):
         tmp_path,
         max_steps=2,
         bf16=True,
-        gradient_checkpointing=True,
+        activation_checkpointing=True,
         save_strategy="steps",
         save_steps=2,
         eval_strategy="steps",
