@@ -9,8 +9,9 @@ sp_size: the largest difference of a final parameter, and of a per-step loss.
     python benchmarks/engine_matrix.py                      # the default: 42M-parameter model (hidden 768, 8 layers)
     python benchmarks/engine_matrix.py --hidden-size 32 --layers 2 --optim sgd   # the tests' tiny model
 
-Peak memory on CPU is the RSS high-water mark of each process (`ru_maxrss`), which includes the Python, torch,
-transformers and DeepSpeed libraries (`start_rss_mb`: rank 0's RSS after the imports, before any model).
+Peak memory on CPU is the RSS high-water mark of each process: over the whole run (`ru_maxrss`, engine set-up
+included), and over the training steps (`VmHWM` reset once the engine has run its first micro-batch). Both include
+the Python, torch, transformers and DeepSpeed libraries (`start_rss_mb`: rank 0's RSS after the imports).
 """
 
 from __future__ import annotations
@@ -33,11 +34,34 @@ SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
 # installs it and runs SCRIPT.
 SCRIPTS = {"fsdp2": ROOT / "tests" / "fsdp2_script.py"}
 
+# The shipped zero3.yaml's settings plus DeepSpeed's gathered-parameter cache turned off; "auto" is filled by
+# transformers from the training arguments.
+ZERO3_LOW_MEMORY = {
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_max_live_parameters": 1e6,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": "auto",
+        "reduce_bucket_size": "auto",
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
 # name -> (accelerate config, processes, DDP reference, extra script arguments)
 ENGINES = {
     "ddp": ("multi_process_cpu", 2, None, []),
     "zero2": ("zero2", 2, "ddp", []),
     "zero3": ("zero3", 2, "ddp", ["--zero3-init"]),
+    # ZeRO-3 with DeepSpeed's parameter cache off (a DeepSpeed JSON, see ZERO3_LOW_MEMORY): what sharding saves on a
+    # model below DeepSpeed's default 1e9-parameter live/reuse thresholds, which otherwise keep it all gathered
+    "zero3_lowmem": ("zero3", 2, "ddp", ["--zero3-init"]),
     "fsdp2": ("fsdp2", 2, "ddp", []),
     "ddp4": ("multi_process_cpu", 4, None, []),
     "two_node": ("two_node_cpu", 4, "ddp4", []),
@@ -49,6 +73,9 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
     out_dir = work / f"{name}_sp{sp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "out.pt"
+    if cli.reuse and out.exists():
+        record = torch.load(out, weights_only=False)[f"sp{sp}"]
+        return {**record, "ran": True, "launch_s": float("nan")}
     args = [
         *extra,
         *["--cases", f"sp{sp}", "--out", str(out), "--steps", str(cli.steps)],
@@ -60,7 +87,16 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
         config = ROOT / "accelerate_configs" / "two_node_cpu.yaml"
         results = _launch.run_all(_launch.accelerate_launch_machines(config, SCRIPT, *args), cli.timeout, out_dir)
     else:
-        config = _launch.cpu_accelerate_config(config_name, out_dir, processes)
+        overrides = {}
+        if name == "zero3_lowmem":
+            ds_config = out_dir / "ds_zero3_low_memory.json"
+            ds_config.write_text(json.dumps(ZERO3_LOW_MEMORY, indent=1))
+            overrides["deepspeed_config"] = {"deepspeed_config_file": str(ds_config), "zero3_init_flag": True}
+        config = _launch.cpu_accelerate_config(config_name, out_dir, processes, **overrides)
+        if overrides:  # with a DeepSpeed JSON, precision comes from it: accelerate refuses mixed_precision as well
+            config.write_text(
+                "\n".join(line for line in config.read_text().splitlines() if "mixed_precision" not in line)
+            )
         script = SCRIPTS.get(name, SCRIPT)
         results = [_launch.run(_launch.accelerate_launch(config, script, *args), cli.timeout, out_dir)]
     launch_s = time.perf_counter() - start
@@ -82,6 +118,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--reuse", action="store_true", help="read the cells already in --work-dir, launch the rest")
     parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
     cli = parser.parse_args()
@@ -109,6 +146,7 @@ def main() -> None:
                     sp_groups=[r["sp_group_ranks"] for r in record["ranks"]],
                     local_ranks=[r["local_process_index"] for r in record["ranks"]],
                     peak_rss_mb=[round(x) for x in record["peak_rss_mb"]],
+                    train_peak_rss_mb=[round(x) for x in record["train_peak_rss_mb"]],
                     start_rss_mb=round(record["start_rss_mb"]),
                     train_s=round(record["wall_s"], 1),
                     launch_s=round(record["launch_s"], 1),
@@ -131,18 +169,19 @@ def main() -> None:
     with open(cli.out, "w") as f:
         json.dump({"model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)
     print("| config | sp | ran | engine (policy / reference) | max param diff vs DDP | max loss diff | peak RSS per "
-          "rank (MiB) | train s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "rank, whole run (MiB) | peak RSS per rank, training steps (MiB) | train s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if not row["ran"]:
-            print(f"| {row['config']} | {row['sp']} | no | | | | | |")
+            print(f"| {row['config']} | {row['sp']} | no | | | | | | |")
             continue
         diff = row.get("max_param_diff_vs_ddp")
         loss = row.get("max_loss_diff_vs_ddp")
         print(
             f"| {row['config']} | {row['sp']} | yes | {row['engine']} / {row['ref']} | "
             f"{'reference' if diff is None else f'{diff:.1e}'} | {'' if loss is None else f'{loss:.1e}'} | "
-            f"{', '.join(map(str, row['peak_rss_mb']))} | {row['train_s']} |"
+            f"{', '.join(map(str, row['peak_rss_mb']))} | {', '.join(map(str, row['train_peak_rss_mb']))} | "
+            f"{row['train_s']} |"
         )
 
 

@@ -9,10 +9,12 @@ saves the start-up of a launch per case); each record has:
 * ``params``: the final trainable parameters, full (gathered from ZeRO-3 shards / FSDP2 DTensors), float32, on CPU;
 * ``ranks``: per process: global rank (torch.distributed), Accelerate's process index and local process index,
   ``LOCAL_RANK``/``RANK``/``GROUP_RANK`` from the launcher, the global ranks of its SP group (None without SP);
-* ``peak_rss_mb``: per process, the RSS high-water mark of the process (``ru_maxrss``) at the end, in MiB;
+* ``peak_rss_mb``: per process, the RSS high-water mark of the process (``ru_maxrss``) at the end, in MiB, engine
+  set-up included; ``train_peak_rss_mb``: the high-water mark from the end of the first micro-batch on (training);
   ``start_rss_mb``: rank 0's RSS after the imports, before any model (what the peak includes of the libraries);
 * ``wall_s``: seconds from the trainer's construction to the end of ``train()`` (rank 0);
-* ``head``: the LM-head weight shapes the chunked passes received, its local numel after training, tied or not;
+* ``head``: the LM-head weight shapes the chunked passes received, the head's ZeRO-3 status before, inside and
+  after each of the trainer's `maybe_gather_lm_head_ctx`, its local numel after each step, tied or not;
 * ``moved``: the largest change of a parameter during training (the test is not trivial);
 * ``saved``: when ``--save-dir`` is given, the files ``save_model`` wrote to ``<save-dir>/<case>``.
 
@@ -31,6 +33,7 @@ Reused by the FSDP2 tests: keep it engine-agnostic (anything engine-specific is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,12 +55,20 @@ from _trainer_utils import (  # noqa: E402
     reward_length,
 )
 
+import hf_rlloss.trainer as trainer_module  # noqa: E402
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _rss_mb(field: str = "VmRSS") -> float:
+    """A `/proc/self/status` memory field in MiB (`VmRSS`: resident now, `VmHWM`: the high-water mark)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Reset `VmHWM` to the current RSS (Linux `clear_refs`), so that the next reading is the peak from here on."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 START_RSS_MB = _rss_mb()
@@ -156,15 +167,48 @@ def _gather(obj) -> list:
     return out
 
 
+def _status(param) -> str:
+    """A ZeRO-3 parameter's status (`AVAILABLE`: gathered, `NOT_AVAILABLE`: a shard), `plain` for others."""
+    status = getattr(param, "ds_status", None)
+    return "plain" if status is None else status.name
+
+
+HEAD_GATHERS: list[dict] = []  # one entry per use of maybe_gather_lm_head_ctx by the trainer
+_original_gather = trainer_module.maybe_gather_lm_head_ctx
+
+
+@contextlib.contextmanager
+def _recording_gather(*params):
+    """The trainer's `maybe_gather_lm_head_ctx`, recording the head's status before, inside and after it."""
+    entry = {"before": [_status(p) for p in params]}
+    with _original_gather(*params):
+        entry["inside"] = [(_status(p), tuple(p.shape)) for p in params]
+        yield
+    entry["after"] = [_status(p) for p in params]
+    HEAD_GATHERS.append(entry)
+
+
+trainer_module.maybe_gather_lm_head_ctx = _recording_gather
+
+
 class RecordingTrainer(RLLossGRPOTrainer):
     """Records the shape of every LM-head weight the chunked loss and log-prob passes receive (under ZeRO-3: the
     gathered full weight, while the parameter itself stays a shard)."""
 
     head_shapes: set[tuple[int, ...]] = set()
+    head_numel_after_step: list[int] = []  # the head parameter's local numel after each micro-batch's backward
 
     def _head_inputs(self, hidden, weight):
         self.head_shapes.add(tuple(weight.shape))
         return super()._head_inputs(hidden, weight)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        if not self.head_numel_after_step:  # the engine is built and has run once: measure the steady state from here
+            _reset_peak_rss()
+        lm = self._causal_lm(self.accelerator.unwrap_model(self.model))
+        self.head_numel_after_step.append(lm.get_output_embeddings().weight.numel())
+        return loss
 
 
 def head_info(trainer) -> dict:
@@ -173,23 +217,26 @@ def head_info(trainer) -> dict:
     head = lm.get_output_embeddings().weight
     return {
         "seen_in_loss": sorted(RecordingTrainer.head_shapes),
+        "gathers": list(HEAD_GATHERS),
+        "local_numel_after_steps": sorted(set(RecordingTrainer.head_numel_after_step)),
         "local_numel_after": head.numel(),
         "full_shape": tuple(getattr(head, "ds_shape", head.shape)),
         "tied": head is lm.get_input_embeddings().weight,
     }
 
 
-def parse_case(case: str) -> tuple[int, bool]:
-    """`sp1`, `sp2`, `sp1-peft`, ... -> (sp_size, peft)."""
-    sp, _, peft = case.partition("-")
-    if not sp.startswith("sp") or peft not in ("", "peft"):
-        raise ValueError(f"case {case!r}: expected sp<N> or sp<N>-peft")
-    return int(sp[2:]), peft == "peft"
+def parse_case(case: str) -> tuple[int, bool, bool]:
+    """`sp1`, `sp2`, `sp1-peft`, `sp1-plain` (never partitioned by zero.Init, even with --zero3-init), ... ->
+    (sp_size, peft, plain)."""
+    sp, *options = case.split("-")
+    if not sp.startswith("sp") or not sp[2:].isdigit() or set(options) - {"peft", "plain"}:
+        raise ValueError(f"case {case!r}: expected sp<N> with optional -peft / -plain")
+    return int(sp[2:]), "peft" in options, "plain" in options
 
 
 def run_case(cli, tok, case: str) -> dict | None:
     """Train one case; every rank returns None except the main process, which returns its record."""
-    sp, peft = parse_case(case)
+    sp, peft, plain = parse_case(case)
     case_dir = os.path.join(os.path.dirname(os.path.abspath(cli.out)), "run", case)
     save = {"save_strategy": "steps", "save_steps": cli.save_steps} if cli.save_steps else {}
     args = RLLossGRPOConfig(
@@ -211,7 +258,7 @@ def run_case(cli, tok, case: str) -> dict | None:
     model = make_model(tok, hidden_size=cli.hidden_size, layers=cli.layers)
     if sp > 1:
         model.set_attn_implementation("sdpa")
-    if cli.zero3_init:
+    if cli.zero3_init and not plain:
         model = _zero3_model(model)
     peft_config = None
     if peft:
@@ -219,7 +266,8 @@ def run_case(cli, tok, case: str) -> dict | None:
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     torch.manual_seed(1)  # the LoRA init: the same whatever the engine consumed before
-    RecordingTrainer.head_shapes = set()
+    RecordingTrainer.head_shapes, RecordingTrainer.head_numel_after_step = set(), []
+    HEAD_GATHERS.clear()
     start = time.perf_counter()
     trainer = RecordingTrainer(
         model,
@@ -236,16 +284,18 @@ def run_case(cli, tok, case: str) -> dict | None:
     save_dir = os.path.join(cli.save_dir, case) if cli.save_dir else None
     if save_dir:
         trainer.save_model(save_dir)
+    head = head_info(trainer)  # before full_params, whose gather re-partitions every parameter
     params = full_params(trainer.accelerator.unwrap_model(trainer.model))  # collective under ZeRO-3/FSDP2
     ranks = _gather(rank_info(trainer))
     peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    steady_peak = _gather(_rss_mb("VmHWM"))
     trainer.accelerator.wait_for_everyone()
     if not trainer.accelerator.is_main_process:
         return None
     steps = [h for h in trainer.state.log_history if "loss" in h]
     return {
         "engine": engine_info(trainer),
-        "head": head_info(trainer),
+        "head": head,
         "world_size": trainer.accelerator.num_processes,
         "sp": sp,
         "peft": peft,
@@ -254,10 +304,12 @@ def run_case(cli, tok, case: str) -> dict | None:
         "steps": [h["step"] for h in steps],
         "history": trainer.state.log_history,
         "global_step": trainer.state.global_step,
+        "micro_steps_trained": len(RecordingTrainer.head_numel_after_step),  # in this run (a resumed run: fewer)
         "params": params,
         "moved": max((params[k] - initial[k]).abs().max().item() for k in params),
         "ranks": ranks,
         "peak_rss_mb": peak,
+        "train_peak_rss_mb": steady_peak,
         "start_rss_mb": START_RSS_MB,
         "wall_s": wall,
         "saved": sorted(os.listdir(save_dir)) if save_dir else None,
