@@ -17,7 +17,7 @@ import torch.distributed as dist
 from accelerate.utils import is_peft_model
 from datasets import IterableDataset
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, StateDictType
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -943,7 +943,5 @@ class RLLossGRPOTrainer(GRPOTrainer):
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if not self.is_fsdp_enabled or plugin is None:
             return super().save_model(output_dir, _internal_call)
-        from torch.distributed.fsdp import StateDictType
-
         with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
             return super().save_model(output_dir, _internal_call)
