@@ -30,6 +30,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import _launch  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
+# FSDP2 on CPU needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py); this script
+# installs it and runs SCRIPT.
+SCRIPTS = {"fsdp2": ROOT / "tests" / "fsdp2_script.py"}
 
 # The shipped zero3.yaml's settings plus DeepSpeed's gathered-parameter cache turned off; "auto" is filled by
 # transformers from the training arguments.
@@ -50,10 +53,6 @@ ZERO3_LOW_MEMORY = {
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
 }
-
-# FSDP2 on CPU needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py); this script
-# installs it and runs SCRIPT.
-SCRIPTS = {"fsdp2": ROOT / "tests" / "fsdp2_script.py"}
 
 # name -> (accelerate config, processes, DDP reference, extra script arguments)
 ENGINES = {
@@ -98,9 +97,8 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
             config.write_text(
                 "\n".join(line for line in config.read_text().splitlines() if "mixed_precision" not in line)
             )
-        results = [
-            _launch.run(_launch.accelerate_launch(config, SCRIPTS.get(name, SCRIPT), *args), cli.timeout, out_dir)
-        ]
+        script = SCRIPTS.get(name, SCRIPT)
+        results = [_launch.run(_launch.accelerate_launch(config, script, *args), cli.timeout, out_dir)]
     launch_s = time.perf_counter() - start
     failed = [r.stderr[-3000:] for r in results if r.returncode != 0]
     if failed:

@@ -21,7 +21,7 @@ from accelerate.utils import is_peft_available, is_peft_model
 from datasets import IterableDataset
 from huggingface_hub import ModelCard
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, StateDictType
 from transformers import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -1423,8 +1423,6 @@ class RLLossGRPOTrainer(GRPOTrainer):
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if not self.is_fsdp_enabled or plugin is None:
             return super().save_model(output_dir, _internal_call)
-        from torch.distributed.fsdp import StateDictType
-
         with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
             return super().save_model(output_dir, _internal_call)
 
