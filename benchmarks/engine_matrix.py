@@ -76,7 +76,7 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
         *extra,
         *["--cases", f"sp{sp}", "--out", str(out), "--steps", str(cli.steps)],
         *["--hidden-size", str(cli.hidden_size), "--layers", str(cli.layers)],
-        *["--optim", cli.optim, "--learning-rate", str(cli.learning_rate)],
+        *["--optim", cli.optim, "--learning-rate", str(cli.learning_rate), "--no-snapshot"],
     ]
     start = time.perf_counter()
     if config_name == "two_node_cpu":
@@ -113,7 +113,9 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=0, help="glibc MALLOC_MMAP_THRESHOLD_ (bytes)")
+    parser.add_argument(
+        "--malloc-mmap-threshold", type=int, default=65536, help="glibc MALLOC_MMAP_THRESHOLD_ (bytes)"
+    )
     parser.add_argument("--reuse", action="store_true", help="read the cells already in --work-dir, launch the rest")
     parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
