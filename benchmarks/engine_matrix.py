@@ -80,7 +80,7 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
         *extra,
         *["--cases", f"sp{sp}", "--out", str(out), "--steps", str(cli.steps)],
         *["--hidden-size", str(cli.hidden_size), "--layers", str(cli.layers)],
-        *["--optim", cli.optim, "--learning-rate", str(cli.learning_rate)],
+        *["--optim", cli.optim, "--learning-rate", str(cli.learning_rate), "--no-snapshot"],
     ]
     start = time.perf_counter()
     if config_name == "two_node_cpu":
@@ -118,15 +118,16 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument(
+        "--malloc-mmap-threshold", type=int, default=65536, help="glibc MALLOC_MMAP_THRESHOLD_ (bytes)"
+    )
     parser.add_argument("--reuse", action="store_true", help="read the cells already in --work-dir, launch the rest")
     parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
     cli = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed, so the all-gather and
-    # reduce-scatter buffers FSDP2 frees after each layer stay in the heap and the RSS high-water mark counts them as
-    # if they were alive (measured here: FSDP2 then looked 200-500 MB/rank larger than DDP instead of 360 MB smaller).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if cli.malloc_mmap_threshold:  # freed buffers go back to the OS, so that RSS peaks are not the allocator's cache
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(cli.malloc_mmap_threshold)
     work = Path(cli.work_dir)
     records: dict[tuple[str, int], dict] = {}
     rows = []
@@ -165,6 +166,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     model = {"hidden_size": cli.hidden_size, "layers": cli.layers, "optim": cli.optim, "steps": cli.steps}
+    model["malloc_mmap_threshold"] = cli.malloc_mmap_threshold
     Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
     with open(cli.out, "w") as f:
         json.dump({"model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -278,17 +278,18 @@ def run_case(cli, tok, case: str) -> dict | None:
         peft_config=peft_config,
     )
     trainer._generate_single_turn = FixedWithLogprobs(tok, trainer.max_completion_length)
-    initial = full_params(trainer.accelerator.unwrap_model(trainer.model))
+    initial = None if cli.no_snapshot else full_params(trainer.accelerator.unwrap_model(trainer.model))
     trainer.train(resume_from_checkpoint=cli.resume_from)
     wall = time.perf_counter() - start
+    # memory first: saving and the gather of every parameter below (ZeRO-3, FSDP2) would raise the peaks
+    peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    steady_peak = _gather(_rss_mb("VmHWM"))
     save_dir = os.path.join(cli.save_dir, case) if cli.save_dir else None
     if save_dir:
         trainer.save_model(save_dir)
     head = head_info(trainer)  # before full_params, whose gather re-partitions every parameter
     params = full_params(trainer.accelerator.unwrap_model(trainer.model))  # collective under ZeRO-3/FSDP2
     ranks = _gather(rank_info(trainer))
-    peak = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    steady_peak = _gather(_rss_mb("VmHWM"))
     trainer.accelerator.wait_for_everyone()
     if not trainer.accelerator.is_main_process:
         return None
@@ -306,7 +307,7 @@ def run_case(cli, tok, case: str) -> dict | None:
         "global_step": trainer.state.global_step,
         "micro_steps_trained": len(RecordingTrainer.head_numel_after_step),  # in this run (a resumed run: fewer)
         "params": params,
-        "moved": max((params[k] - initial[k]).abs().max().item() for k in params),
+        "moved": None if initial is None else max((params[k] - initial[k]).abs().max().item() for k in params),
         "ranks": ranks,
         "peak_rss_mb": peak,
         "train_peak_rss_mb": steady_peak,
@@ -336,6 +337,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=0.05)
     parser.add_argument("--zero3-init", action="store_true", help="in-memory model partitioned by zero.Init")
     parser.add_argument("--rl-loss", default=json.dumps(RL_LOSS))
+    parser.add_argument("--no-snapshot", action="store_true", help="no copy of the initial weights (memory runs)")
     parser.add_argument("--save-dir", default=None, help="save_model() to <save-dir>/<case> at the end")
     parser.add_argument("--save-steps", type=int, default=0, help="write checkpoints every N steps")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder to resume from")

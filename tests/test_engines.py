@@ -6,7 +6,7 @@ KL to the reference and token-level rollout IS on (the second step off-policy), 
 an in-memory model (under ZeRO-3 one already partitioned by `zero.Init`, as `from_pretrained` gives it). Each must
 really run the configured engine, and give the per-step losses and final parameters of DDP within 1e-5.
 
-The default run covers DDP, ZeRO-2 and ZeRO-3 (sp 1 and 2, LoRA) and saving under ZeRO-3. The rest of the matrix
+The default run covers DDP, ZeRO-2 and ZeRO-3 (sp 1 and 2, LoRA) and saving under both. The rest of the matrix
 (two machines, resuming from checkpoints) is marked `full_matrix` and runs when HF_RLLOSS_FULL_MATRIX=1 (`.ci/run`).
 DeepSpeed runs on its CPU accelerator (DS_ACCELERATOR=cpu); its first launch on a machine builds a small
 shared-memory op (about 2 minutes on 2 cores, cached in ~/.cache/torch_extensions).
@@ -34,7 +34,7 @@ CASES = ["sp1", "sp2", "sp1-peft"]
 # name -> (accelerate config, processes, script arguments)
 LAUNCHES = {
     "ddp": ("multi_process_cpu", 2, ["--cases", *CASES]),
-    "zero2": ("zero2", 2, ["--cases", *CASES]),
+    "zero2": ("zero2", 2, ["--cases", *CASES, "--save-dir", "saved"]),
     # ZeRO-3: the model partitioned by zero.Init before the trainer (as from_pretrained gives it), and not (plain)
     "zero3": ("zero3", 2, ["--zero3-init", "--cases", *CASES, "sp1-plain", "--save-dir", "saved"]),
     # two machines × 2 processes, launched as two machine ranks; against DDP with 4 processes on one machine
@@ -150,10 +150,13 @@ def test_zero3_lm_head_gathered_only_inside_the_loss(runs):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero3_saved_model_loads_and_generates(runs):
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_saved_model_loads_and_generates(runs, engine):
+    """`save_model` writes a normal HF folder with the consolidated trained weights (under ZeRO-3 gathered from the
+    shards), which `from_pretrained` loads and generates with."""
     from transformers import AutoModelForCausalLM
 
-    result = runs("zero3")
+    result = runs(engine)
     saved = result["_dir"] / "saved" / "sp1"
     assert "model.safetensors" in result["sp1"]["saved"] and "config.json" in result["sp1"]["saved"]
     model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
