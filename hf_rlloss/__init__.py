@@ -1,6 +1,6 @@
 """hf_rlloss: a configurable RL loss layer (config → kwargs → context) for TRL and Accelerate."""
 
-from .chunked_logprobs import chunked_logprobs, chunked_objective
+from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs, chunked_objective
 from .config import BaseRLLossConfig, GRPOLossConfig, PolicyLossConfig
 from .context import BaseRLLossContext, BaseRLLossKwargs, GRPOLossContext, train_policy_metrics
 from .kl import KL_TYPES, compute_kl_loss_weight, kl_penalty
@@ -40,6 +40,7 @@ __all__ = [
     "Reduction",
     "RolloutImportanceSampling",
     "accumulate_metrics",
+    "chunked_kept_logmass",
     "chunked_logprobs",
     "chunked_objective",
     "compute_kl_loss_weight",

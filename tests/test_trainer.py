@@ -326,6 +326,43 @@ def test_rollout_func_logprobs_reach_the_loss(tok, tmp_path):
     assert math.isfinite(_step_logs(trainer)[0]["loss"])
 
 
+def test_rollout_func_logprobs_on_the_sampled_support_are_compared_with_the_replayed_truncation(tok, tmp_path):
+    """vLLM-like rollout log-probs under top_k=5 (log π_S = log π − log K, computed here from full logits) match the
+    trainer's π_old renormalized over its replayed top-k support: only numerical mismatch, and the kept mass."""
+    from transformers import TopKLogitsWarper
+
+    fixed = FixedCompletions(tok, 8)
+
+    def rollout_func(prompts, trainer):
+        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        completion_ids, _ = fixed(prompt_ids, None, None, len(prompts))
+        logprobs = []
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for prompt, completion in zip(prompt_ids, completion_ids):
+            ids = torch.tensor([prompt + completion])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].double()  # (completion, V), temperature 1
+            full = torch.log_softmax(logits, dim=-1)
+            kept = torch.isfinite(TopKLogitsWarper(top_k=5)(None, logits.clone()))
+            log_kept = torch.logsumexp(full.masked_fill(~kept, float("-inf")), dim=-1)
+            logprobs.append((full.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1) - log_kept).tolist())
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    trainer = RLLossGRPOTrainer(
+        make_model(tok),
+        reward_length,
+        args=_config(tmp_path, max_steps=1, top_k=5),
+        train_dataset=make_dataset(),
+        processing_class=tok,
+        rollout_func=rollout_func,
+    )
+    trainer.train()
+    log = _step_logs(trainer)[0]
+    assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-5, log
+    assert log["rollout_is/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert 0.0 < log["mismatch/kept_mass_mean"] < 0.5  # 5 of 259 tokens of a near-uniform random model
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Mapping of TRL options, bad input
 
