@@ -8,7 +8,7 @@ import os
 
 from transformers import TrainerCallback
 
-# panel title -> metric keys (each one logged is plotted)
+# panel title -> metric keys tried in order (the first one logged is plotted: ref KL, else the on-policy-flat kl3)
 CURVES = {
     "reward": ("reward",),
     "KL to reference / old policy": ("train_policy/ref_kl", "train_policy/kl3"),
@@ -71,6 +71,8 @@ def plot_curves(history: list[dict], path: str) -> str:
                 steps, values = zip(*points)
                 window = SMOOTHED[key]
                 ax.plot(steps, moving_average(list(values), window), linewidth=2, label=f"{key} ({window}-step mean)")
+            if points:
+                break
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

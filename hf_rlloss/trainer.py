@@ -306,7 +306,10 @@ class SampledTokenLogprobs(LogitsProcessor):
         if self.previous is not None:
             self._record(input_ids[:, -1])
         full = self.full if self.full is not None else torch.log_softmax(scores.float(), dim=-1)
-        kept_logmass = torch.logsumexp(full.masked_fill(~torch.isfinite(scores), float("-inf")), dim=-1)
+        cut = ~torch.isfinite(scores)
+        kept_logmass = torch.logsumexp(full.masked_fill(cut, float("-inf")), dim=-1).clamp(max=0.0)
+        # exactly 0 where nothing was cut (a float32 sum of the whole softmax is 1 only to about 1e-5 at 49k tokens)
+        kept_logmass = torch.where(cut.any(dim=-1), kept_logmass, 0.0)
         self.previous, self.full = (full, kept_logmass), None
         return scores
 
