@@ -178,6 +178,9 @@ class BaseRLLossConfig(BaseModel):
             compilation fails. The first call compiles (seconds to a minute on CPU).
         compute_entropy (`bool`, *optional*, defaults to `True`): log the full-vocabulary entropy when the loss is
             computed from hidden states.
+        logit_softcapping (`float`, *optional*): final-logit softcapping `c > 0` of the hidden-state path: the logits
+            are `c·tanh((hidden @ Wᵀ)/c)` before the temperature, as Gemma 2 computes them
+            (`final_logit_softcapping`; `RLLossGRPOTrainer` reads it from the model config). Defaults to none.
         nonfinite_inputs (`str`, *optional*, defaults to `"error"`): what to do with NaN/±inf at valid tokens of
             `advantages`, `old_logprobs`, `ref_logprobs` or `rollout_is_weights`: `"error"` raises, naming the field,
             the micro-batch and the count; `"mask"` drops those tokens (before the denominator is computed) and counts
@@ -201,6 +204,7 @@ class BaseRLLossConfig(BaseModel):
     chunk_size: int | None = Field(None, gt=0)
     compile_epilogue: bool | None = None
     compute_entropy: bool = True
+    logit_softcapping: float | None = Field(None, gt=0, allow_inf_nan=False)
     nonfinite_inputs: Literal["error", "mask"] = "error"
     rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)
 

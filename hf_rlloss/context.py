@@ -386,6 +386,7 @@ class BaseRLLossContext:
                     chunk_size=self.loss_cfg.chunk_size,
                     matmul_dtype=matmul_dtype,
                     compile_epilogue=self.loss_cfg.compile_epilogue,
+                    softcap=self.loss_cfg.logit_softcapping,
                 )
                 seq_mean = self._sequence_terms(token_logprobs, tokens)
 
@@ -407,6 +408,7 @@ class BaseRLLossContext:
                 with_entropy=self.loss_cfg.compute_entropy,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.loss_cfg.compile_epilogue,
+                softcap=self.loss_cfg.logit_softcapping,
             )
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
         if self.deferred_rollout_is_mask is not None:

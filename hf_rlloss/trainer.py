@@ -112,6 +112,16 @@ def _trl_deprecated_aliases_silenced() -> Iterator[None]:
         yield
 
 
+def _with_model_softcapping(loss_cfg: BaseRLLossConfig, lm: nn.Module) -> BaseRLLossConfig:
+    """The loss config with `logit_softcapping` set from the model's `final_logit_softcapping` (Gemma 2) when unset,
+    so that the chunked head computes the logits the model's own forward does. A value that differs from the
+    model's is left for `_check_model_supported` to refuse."""
+    softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is None or loss_cfg.logit_softcapping is not None:
+        return loss_cfg
+    return loss_cfg.model_copy(update={"logit_softcapping": float(softcap)})
+
+
 def _logit_scale(text_config: Any) -> float:
     """The factor the model multiplies its logits by before the softmax (1.0 for most models), as TRL reads it."""
     scale = getattr(text_config, "logit_scale", None)
@@ -445,9 +455,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
     gradient_accumulation_steps` per micro-batch, averaged over ranks. It is logged as TRL's `aux_loss` and as
     `loss/router_aux`. Not with sequence parallelism (a shard does not see the micro-batch's routing statistics).
 
-    **Not supported** (rejected at construction): vision-language models, final-logit softcapping, an LM head with
-    a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`, `logits_scaling`, …) is folded into
-    the temperature.
+    **Final-logit softcapping** (Gemma 2's `final_logit_softcapping`) is read from the model config into
+    `rl_loss.logit_softcapping`: the chunked head computes `c·tanh(z/c)` before the temperature, and its gradient.
+
+    **Not supported** (rejected at construction): vision-language models, an LM head with a bias or a LoRA adapter
+    on the head itself, softcapping together with a logit scale. A logit scale (`logit_scale`, `logits_scaling`, …)
+    is folded into the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -511,6 +524,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "of a micro-batch, which one SP shard does not see; set router_aux_loss_coef=0.0 to train without it"
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        self.rl_loss_config = _with_model_softcapping(self.rl_loss_config, self._causal_lm(unwrapped))
         self._check_model_supported(unwrapped)
         if self.aux_loss_enabled:
             _load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
@@ -825,8 +839,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
         lm = self._causal_lm(unwrapped)
         name = type(lm).__name__
         text_config = lm.config.get_text_config()
-        if getattr(text_config, "final_logit_softcapping", None):
-            raise ValueError(f"{name} softcaps its logits (final_logit_softcapping), which the loss layer does not do")
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        if softcap != self.rl_loss_config.logit_softcapping:
+            raise ValueError(
+                f"{name} has final_logit_softcapping={softcap}, but the loss softcaps its logits with "
+                f"rl_loss.logit_softcapping={self.rl_loss_config.logit_softcapping}: they must match (the policy and "
+                "the reference are scored with the same head)"
+            )
+        if softcap is not None and _logit_scale(text_config) != 1.0:
+            raise ValueError(
+                f"{name} both scales ({_logit_scale(text_config)}) and softcaps its logits: the loss layer folds the "
+                "scale into the temperature, which is exact only without softcapping"
+            )
         if _logit_scale(text_config) <= 0:
             raise ValueError(f"{name} scales its logits by {_logit_scale(text_config)}: not supported")
         if getattr(lm, "base_model", lm) is lm:
@@ -934,7 +958,13 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 if matmul_dtype is not None:
                     h, w = h.to(matmul_dtype), w.to(matmul_dtype)
                 logps, kept = chunked_kept_logmass(
-                    h, w, labels, truncation, temperature=self._loss_temperature, chunk_size=chunk_size
+                    h,
+                    w,
+                    labels,
+                    truncation,
+                    temperature=self._loss_temperature,
+                    chunk_size=chunk_size,
+                    softcap=self.rl_loss_config.logit_softcapping,
                 )
                 return torch.stack([logps, kept], dim=-1)
             logps, _ = chunked_logprobs(
@@ -945,6 +975,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 chunk_size=chunk_size,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.rl_loss_config.compile_epilogue,
+                softcap=self.rl_loss_config.logit_softcapping,
             )
         return logps
 

@@ -451,8 +451,17 @@ def test_bad_trainer_arguments(tok, tmp_path):
             train_dataset=make_dataset(),
             processing_class=tok,
         )
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="softcaps"):
+    model.config.final_logit_softcapping = 30.0  # read into rl_loss.logit_softcapping; a different value is refused
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30.0.*logit_softcapping=20.0: they must match"):
+        RLLossGRPOTrainer(
+            model,
+            reward_length,
+            args=_config(tmp_path, rl_loss={"logit_softcapping": 20.0}),
+            train_dataset=make_dataset(),
+            processing_class=tok,
+        )
+    model.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match="both scales"):
         RLLossGRPOTrainer(
             model, reward_length, args=_config(tmp_path), train_dataset=make_dataset(), processing_class=tok
         )

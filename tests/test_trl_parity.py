@@ -287,3 +287,54 @@ def test_vespo_folds_trls_vllm_is_ratio_as_trl(sequence_level):
     trl = (-phi * advantages[:, None] * lp * maskd).sum() / maskd.sum()  # dapo normalization, one micro-batch
     torch.testing.assert_close(ours, trl)
     torch.testing.assert_close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(trl, lp)[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 6: final-logit softcapping (a tiny Gemma 2)
+
+
+def _tiny_gemma2(tok, softcap: float):
+    """A tiny Gemma 2 (softcapped final logits and attention, sliding-window layers). The small `softcap` puts the
+    tiny model's logits in the non-linear part of c·tanh(z/c), so that a missing softcap would break parity."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        sliding_window=8,
+        final_logit_softcapping=softcap,
+        attn_implementation="eager",
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    model = Gemma2ForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.mark.parametrize("cast_lm_head_to_fp32", [False, True])
+def test_gemma2_softcapping(tok, tmp_path, cast_lm_head_to_fp32):
+    softcap = 0.2
+    model = _tiny_gemma2(tok, softcap)
+    with torch.no_grad():
+        ids = tok("Q01: add 1+1 =", return_tensors="pt").input_ids
+        raw = model.lm_head(model.model(ids).last_hidden_state)
+    assert float(raw.abs().max()) > 2 * softcap, "the softcap would be nearly linear: the test would be vacuous"
+    trainer, logs, diff = _parity(
+        tok,
+        tmp_path,
+        model=lambda: _tiny_gemma2(tok, softcap),
+        loss_type="dapo",
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+    )
+    assert trainer.rl_loss_config.logit_softcapping == softcap  # read from the model config
+    assert diff < TOLERANCE, diff
