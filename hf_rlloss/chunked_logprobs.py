@@ -177,6 +177,50 @@ def _neg_scaled_probs_softcap_fused_(
     return logits
 
 
+def _entropy_grad_eager_(
+    logits: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    scale: torch.Tensor,
+    inv_temp: float,
+    entropy: torch.Tensor,
+    entropy_scale: torch.Tensor,
+    softcapped: bool,
+):
+    """In place: ``block ← −p · (scale + entropy_scale · (log p + H))`` (× ``1 − t²`` when `softcapped`, the block
+    then holding ``t = tanh(z/c)``), with ``log p = block·inv_temp − log Z``: the logits' gradient of
+    ``g·log π(y) + g_H·H`` less the label's one-hot term, since ``∂H/∂z_v = −p_v (log p_v + H)`` (per unit of
+    ``z/T``; `scale` and `entropy_scale` carry the ``1/T``). All `(n,)` inputs float32; computed in float32."""
+    dtype = _compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        block = logits[rows]
+        x = block.to(dtype, copy=True)
+        log_p = (x * inv_temp).sub_(log_normalizer[rows, None])
+        grad = (log_p + entropy[rows, None]).mul_(entropy_scale[rows, None]).add_(scale[rows, None])
+        grad.mul_(log_p.exp_().neg_())
+        if softcapped:
+            grad.mul_(x.mul_(x).neg_().add_(1.0))
+        block.copy_(grad)
+    return logits
+
+
+def _entropy_grad_fused_(
+    logits: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    scale: torch.Tensor,
+    inv_temp: float,
+    entropy: torch.Tensor,
+    entropy_scale: torch.Tensor,
+    softcapped: bool,
+):
+    """Same as `_entropy_grad_eager_`, for `torch.compile`."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    log_p = x * inv_temp - log_normalizer[:, None]
+    grad = -torch.exp(log_p) * (scale[:, None] + entropy_scale[:, None] * (log_p + entropy[:, None]))
+    logits.copy_(grad * (1.0 - x * x) if softcapped else grad)
+    return logits
+
+
 def _accumulate_(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``total += value`` (a float32 accumulator, a half-precision GEMM result). Compiled, the conversion is
     vectorized: eager CPU `add_` across dtypes runs several times slower than within one dtype."""
@@ -187,12 +231,14 @@ _EAGER = {
     "stats": _softmax_stats_eager,
     "grad": _neg_scaled_probs_eager_,
     "grad_softcap": _neg_scaled_probs_softcap_eager_,
+    "grad_entropy": _entropy_grad_eager_,
     "accumulate": _accumulate_,
 }
 _FUSED = {
     "stats": _softmax_stats_fused,
     "grad": _neg_scaled_probs_fused_,
     "grad_softcap": _neg_scaled_probs_softcap_fused_,
+    "grad_entropy": _entropy_grad_fused_,
     "accumulate": _accumulate_,
 }
 _compiled: dict[str, Callable] = {}
@@ -266,11 +312,14 @@ def _chunk_softmax(
     want_probs: bool,
     compiled: bool,
     softcap: float | None = None,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``log π(label)`` `(n,)` and the entropies `(n,)` of one chunk's logits block.
 
     With `softcap` the block holds ``tanh(z/c)`` (see `_softcap_`) and `label_logits` are already softcapped: the
     statistics run through the epilogue kernels on the block scaled by ``c/T``, and the block is left as it is.
+    So they do with `keep_logits` (the entropy's gradient needs ``log p``, which probabilities lose where they
+    underflow).
 
     float32/float64 eager (one `exp` per element): per row block ``m = max z``, ``e = exp(z − m)``, ``s = Σ e``, then
     ``log π(y) = z_y − m − log s``, ``H = log s − Σ e·(z − m) / s``, and with `want_probs` ``p = e / s`` is written
@@ -281,7 +330,7 @@ def _chunk_softmax(
         `(block, log π(y), entropy, log Z)`: ``log Z`` `(n,)` is the log-normalizer of ``logits / T``, or `None` when
         the block now holds the probabilities.
     """
-    if compiled or logits.dtype in _HALF or softcap is not None:
+    if compiled or logits.dtype in _HALF or softcap is not None or keep_logits:
         block_inv_temp = (1.0 if softcap is None else softcap) / temperature
         log_normalizer, entropy = _run_epilogue("stats", compiled, logits, block_inv_temp, with_entropy)
         return logits, label_logits / temperature - log_normalizer, entropy, log_normalizer
@@ -315,16 +364,25 @@ def _grad_logits_(
     compiled: bool,
     softcap: float | None = None,
     label_logits: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """In place over the chunk's block: ``∂J/∂logits = (onehot(y) − softmax(z/T)) · g / T`` with
     ``g = ∂J/∂log π(y)`` `(n,)`; the block holds the probabilities when `log_normalizer` is `None`, else the logits.
     With `softcap` (the block holds ``tanh(z/c)``, `label_logits` the softcapped ``c·tanh(z_y/c)``) each column is
-    also multiplied by ``1 − tanh²(z/c)``, the derivative of the softcap."""
+    also multiplied by ``1 − tanh²(z/c)``, the derivative of the softcap. With `grad_entropy` (``g_H = ∂J/∂H``
+    `(n,)`) the entropy's gradient ``−g_H·p·(log p + H)/T`` is added in the same pass (`log_normalizer` required)."""
     scale = (grad_lp / temperature if temperature != 1.0 else grad_lp).to(_compute_dtype(block.dtype))
     label_scale = scale
     if softcap is not None:
-        _run_epilogue("grad_softcap", compiled, block, log_normalizer, scale, softcap / temperature)
         label_scale = scale * (1.0 - (label_logits.to(scale.dtype) / softcap) ** 2)
+    if grad_entropy is not None:
+        entropy_scale = (grad_entropy / temperature).to(scale.dtype)
+        inv_temp = (1.0 if softcap is None else softcap) / temperature
+        args = (block, log_normalizer, scale, inv_temp, entropy.to(scale.dtype), entropy_scale, softcap is not None)
+        _run_epilogue("grad_entropy", compiled, *args)
+    elif softcap is not None:
+        _run_epilogue("grad_softcap", compiled, block, log_normalizer, scale, softcap / temperature)
     elif log_normalizer is None:
         block.mul_(-scale.unsqueeze(-1))
     else:
@@ -461,6 +519,7 @@ class _ChunkedObjective(torch.autograd.Function):
         dtype,
         compiled,
         softcap,
+        entropy_grad,
     ):
         n = labels.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -484,19 +543,34 @@ class _ChunkedObjective(torch.autograd.Function):
                 want_probs=need_h or need_w,
                 compiled=compiled,
                 softcap=softcap,
+                keep_logits=entropy_grad,
             )
             # 2. the objective and its gradient w.r.t. the chunk's log-probs (autograd on an (n,) vector)
             with torch.enable_grad():
                 lp = token_logprobs.detach().requires_grad_(True)
-                value, metrics = objective(lp, sl, entropy)
-                (grad_lp,) = torch.autograd.grad(value, lp, allow_unused=True)
+                ent = entropy.detach().requires_grad_(True) if entropy_grad else entropy
+                value, metrics = objective(lp, sl, ent)
+                inputs = (lp, ent) if entropy_grad else (lp,)
+                grad_lp, *grad_ent = torch.autograd.grad(value, inputs, allow_unused=True)
+                grad_ent = grad_ent[0] if grad_ent else None
+            if grad_lp is None and grad_ent is not None:
+                grad_lp = torch.zeros_like(lp)
             total += value.detach().to(acc_dtype)
             accumulate_metrics(metrics_out, metrics)
             if grad_lp is None or not (need_h or need_w):
                 continue
             # 3. d log π(y) / d logits = onehot(y) − softmax (× 1 − tanh² softcapped), written over the block
             grad_logits = _grad_logits_(
-                block, log_normalizer, labels[sl], grad_lp, temperature, compiled, softcap, label_logits
+                block,
+                log_normalizer,
+                labels[sl],
+                grad_lp,
+                temperature,
+                compiled,
+                softcap,
+                label_logits,
+                entropy,
+                grad_ent,
             )
             grad_logits = grad_logits.to(dtype)
             # 4. the two gradient GEMMs
@@ -521,7 +595,7 @@ class _ChunkedObjective(torch.autograd.Function):
             )
         if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
             grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
-        return *grads, None, None, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_objective(
@@ -536,6 +610,7 @@ def chunked_objective(
     matmul_dtype: torch.dtype | None = None,
     compile_epilogue: bool | None = None,
     softcap: float | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Value of ``Σ_chunks objective(log π(labels[chunk]), chunk, entropy[chunk])``, differentiable w.r.t. ``hidden``
     and ``weight``, computed chunk by chunk with the gradients taken during the forward.
@@ -549,15 +624,31 @@ def chunked_objective(
             0-dim tensors) are summed over chunks.
         temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue, softcap: see `chunked_logprobs`. The
             gradients come back in the dtypes of `hidden` and `weight`, whatever `matmul_dtype`.
+        entropy_grad (`bool`, *optional*, defaults to `False`): the objective may depend on the entropies it is
+            given (needs `with_entropy`): their gradient ``∂J/∂H`` is taken with the log-probs' and propagated through
+            ``∂H/∂z_v = −p_v (log p_v + H)`` in the same chunk pass (no `(tokens, vocab)` tensor beyond the chunk).
 
     Returns:
         `(torch.Tensor, dict)`: the scalar objective (float32, float64 for float64 inputs) and the summed metrics.
     """
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True (the objective's entropy input)")
     metrics: dict[str, torch.Tensor] = {}
     dtype = _matmul_dtype(hidden, weight, matmul_dtype)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], dtype)
     compiled = _use_compiled(compile_epilogue, dtype)
     value = _ChunkedObjective.apply(
-        hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics, dtype, compiled, softcap
+        hidden,
+        weight,
+        labels,
+        objective,
+        chunk_size,
+        temperature,
+        with_entropy,
+        metrics,
+        dtype,
+        compiled,
+        softcap,
+        entropy_grad,
     )
     return value, metrics

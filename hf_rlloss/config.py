@@ -178,6 +178,12 @@ class BaseRLLossConfig(BaseModel):
             compilation fails. The first call compiles (seconds to a minute on CPU).
         compute_entropy (`bool`, *optional*, defaults to `True`): log the full-vocabulary entropy when the loss is
             computed from hidden states.
+        entropy_coef (`float`, *optional*, defaults to `0.0`): entropy bonus `−coef · H̄` (TRL's `entropy_coef`), with
+            `H̄` the mean full-vocabulary entropy of each micro-batch's valid tokens, divided by the number of
+            micro-batches of the step (TRL's per-micro-batch mean, not the step's global mean). Its gradient
+            `∂H/∂z = −p (log p + H)` is taken in the chunk pass: the loss must be computed from hidden states. A
+            context's `entropy_coef` attribute overrides it for that micro-batch (`RLLossGRPOTrainer`'s adaptive
+            control). Not with sequence parallelism.
         logit_softcapping (`float`, *optional*): final-logit softcapping `c > 0` of the hidden-state path: the logits
             are `c·tanh((hidden @ Wᵀ)/c)` before the temperature, as Gemma 2 computes them
             (`final_logit_softcapping`; `RLLossGRPOTrainer` reads it from the model config). Defaults to none.
@@ -205,6 +211,7 @@ class BaseRLLossConfig(BaseModel):
     compile_epilogue: bool | None = None
     compute_entropy: bool = True
     logit_softcapping: float | None = Field(None, gt=0, allow_inf_nan=False)
+    entropy_coef: float = Field(0.0, allow_inf_nan=False)
     nonfinite_inputs: Literal["error", "mask"] = "error"
     rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)
 

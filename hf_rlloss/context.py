@@ -170,6 +170,8 @@ class BaseRLLossContext:
         self.pending_metrics: dict[str, Any] = {}  # metrics of the preparation, emitted by the first call
         self.deferred_rollout_is_mask: torch.Tensor | None = None  # set by defer_rollout_is
         self.micro_batch: int | None = None  # index in the optimizer step, for error messages (see `cfg.build`)
+        self.entropy_coef: float = getattr(loss_cfg, "entropy_coef", 0.0)  # the trainer's adaptive control sets it
+        self.entropy_scale: float | None = None  # 1 / (tokens × micro-batches × grad_scale), set by build_batches
 
     def _name(self, position: int | None = None) -> str:
         """`"micro-batch i"` for messages: the index given to `cfg.build`, else the position in `build_batches`."""
@@ -348,6 +350,11 @@ class BaseRLLossContext:
         labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
         index, tokens = self._valid_tokens()
         if logprobs is not None:
+            if self.entropy_coef != 0.0:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef}: the entropy bonus needs the full-vocabulary distribution; "
+                    "compute the loss from hidden_states=... and head_weight=..."
+                )
             if tuple(logprobs.shape) != labels_shape:
                 raise ValueError(
                     f"logprobs has shape {tuple(logprobs.shape)} but shifted_labels has shape {labels_shape}"
@@ -405,10 +412,11 @@ class BaseRLLossContext:
                 objective,
                 temperature=temperature,
                 chunk_size=self.loss_cfg.chunk_size,
-                with_entropy=self.loss_cfg.compute_entropy,
+                with_entropy=self.loss_cfg.compute_entropy or self.entropy_coef != 0.0,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.loss_cfg.compile_epilogue,
                 softcap=self.loss_cfg.logit_softcapping,
+                entropy_grad=self.entropy_coef != 0.0,
             )
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
         if self.deferred_rollout_is_mask is not None:
@@ -484,9 +492,11 @@ class BaseRLLossContext:
             metrics[P + "ref_kl_sum"] = zero
         if self.loss_cfg.off_policy_mask_threshold is not None:
             metrics[P + "opsm_masked_count"] = zero
-        if from_hidden and self.loss_cfg.compute_entropy:
+        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
             metrics[P + "entropy_sum"] = zero
             metrics[P + "entropy_tokens"] = zero
+        if self.entropy_coef != 0.0:
+            metrics["loss/entropy_bonus"] = zero
         return metrics
 
 
@@ -539,6 +549,8 @@ class GRPOLossContext(BaseRLLossContext):
             for ctx in contexts
         ]
         flat_counts = torch.cat(counts)
+        if sp_size(sp_mesh) > 1 and any(ctx.entropy_coef != 0.0 for ctx in contexts):
+            raise ValueError("entropy_coef is not supported with sequence parallelism (a shard's token mean differs)")
         if sp_size(sp_mesh) > 1:
             all_reduce(flat_counts, group=sp_group(sp_mesh))
         counts = list(torch.split(flat_counts, [len(c) for c in counts]))
@@ -564,6 +576,8 @@ class GRPOLossContext(BaseRLLossContext):
             kw.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
             ctx.seq_token_counts = seq_counts
             ctx.grad_scale = float(grad_scale)
+            # TRL's entropy bonus: a per-micro-batch token mean over the step's micro-batches (after × grad_scale)
+            ctx.entropy_scale = step_fraction / (len(contexts) * max(float(ctx.mask.sum()), 1.0) * float(grad_scale))
         return contexts
 
     def _handle_nonfinite(self, index: int) -> None:
@@ -598,7 +612,9 @@ class GRPOLossContext(BaseRLLossContext):
             logprobs, old, advantages, pcfg, seq_mean=None if seq_mean is None else seq_mean[sl]
         )
         weight = tokens["policy_loss_weight"][sl]
-        metrics = train_policy_metrics(logprobs.detach(), old, indicators, entropy)
+        metrics = train_policy_metrics(
+            logprobs.detach(), old, indicators, None if entropy is None else entropy.detach()
+        )
         if "opsm_keep" in tokens:
             keep = tokens["opsm_keep"][sl]
             weight = torch.where(keep, weight, 0.0)
@@ -612,6 +628,10 @@ class GRPOLossContext(BaseRLLossContext):
             total = total + kl_loss
             metrics["loss/kl"] = kl_loss.detach()
             metrics[P + "ref_kl_sum"] = kl.detach().sum()
+        if self.entropy_coef != 0.0:
+            bonus = -self.entropy_coef * self.entropy_scale * entropy.sum()
+            total = total + bonus
+            metrics["loss/entropy_bonus"] = bonus.detach()
         return total, metrics
 
     def _kl_term(self, logprobs, old, sl, tokens) -> tuple[torch.Tensor, torch.Tensor]:

@@ -455,6 +455,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
     gradient_accumulation_steps` per micro-batch, averaged over ranks. It is logged as TRL's `aux_loss` and as
     `loss/router_aux`. Not with sequence parallelism (a shard does not see the micro-batch's routing statistics).
 
+    **Entropy bonus** (TRL's `entropy_coef`, `use_adaptive_entropy`): `rl_loss.entropy_coef`, TRL's per-micro-batch
+    mean entropy with its gradient from the chunk pass. Adaptive control keeps TRL's state (`entropy_coef`,
+    `_last_world_entropy`), updated at each optimizer step's end from the step's entropy over all ranks' tokens, and
+    saved/restored with checkpoints by TRL's own code. Not with sequence parallelism.
+
     **Final-logit softcapping** (Gemma 2's `final_logit_softcapping`) is read from the model config into
     `rl_loss.logit_softcapping`: the chunked head computes `c·tanh(z/c)` before the temperature, and its gradient.
 
@@ -1384,6 +1389,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if ctx is None:  # evaluation: every batch is its own step
             ctx = self.build_loss_context(inputs)
             type(ctx).build_batches([ctx], grad_averaging_size=self.accelerator.num_processes)
+        if self.use_adaptive_entropy:
+            # TRL's gating: the coefficient (and whether it applies) from the end of the previous optimizer step
+            ctx.entropy_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
         if self.aux_loss_enabled:
             loss, metrics, aux_loss = self._call_through_wrapper(
                 model, self._loss_forward_with_router_aux, inputs, ctx
@@ -1396,6 +1404,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             if inputs.get("rl_loss_last_micro_batch", True):
                 self._log_rl_metrics("train", self._rl_step_metrics)
                 self._rl_step_metrics = {}
+                self._end_of_step_entropy_control()
         else:
             self._log_rl_metrics("eval", metrics)
         if self.accelerator.distributed_type != "DEEPSPEED":
@@ -1415,6 +1424,27 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if losses:
             output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         return output
+
+    def _end_of_step_entropy_control(self) -> None:
+        """TRL's entropy bookkeeping at an optimizer step's end: with `use_adaptive_entropy` (Skywork-OR1), move the
+        coefficient by `entropy_coef_delta` towards more bonus when the step's mean entropy over all ranks' tokens is
+        at or below `entropy_target`, less otherwise (clamped to `[entropy_coef_min, entropy_coef_max]`); log
+        `entropy_coef` whenever the bonus is on. The coefficient and the last entropy are TRL's attributes
+        (`entropy_coef`, `_last_world_entropy`), saved in each checkpoint and restored on resume by TRL's own
+        `_save_checkpoint` / `_load_optimizer_and_scheduler` (`entropy_ctrl_state.json`)."""
+        if self.use_adaptive_entropy:
+            entropies = self._metrics["train"].get("train_policy/entropy")
+            if not entropies:
+                raise RuntimeError("use_adaptive_entropy needs the step's entropy: keep rl_loss.compute_entropy=True")
+            world_entropy = entropies[-1]  # reduced over all ranks' tokens by _log_rl_metrics
+            args = self.args
+            if world_entropy <= args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+        if self._entropy_bonus_enabled:
+            self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
         """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL.

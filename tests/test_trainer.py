@@ -412,7 +412,7 @@ def test_trl_options_mapping(tmp_path, options, expected):
         ({"delta": 1.0}, r"delta=1.0 must be > 1"),
         ({"off_policy_mask_threshold": -0.1}, r"off_policy_mask_threshold"),
         ({"top_entropy_quantile": 0.2}, r"top_entropy_quantile"),
-        ({"entropy_coef": 0.01}, r"entropy bonus"),
+        ({"entropy_coef": float("nan")}, r"rl_loss\.entropy_coef"),
         ({"sp_size": 0}, r"sp_size"),
     ],
 )

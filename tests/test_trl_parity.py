@@ -338,3 +338,42 @@ def test_gemma2_softcapping(tok, tmp_path, cast_lm_head_to_fp32):
     )
     assert trainer.rl_loss_config.logit_softcapping == softcap  # read from the model config
     assert diff < TOLERANCE, diff
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 1: the entropy bonus (static and adaptive), its gradient from the chunked pass
+
+
+def test_entropy_bonus_static(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", entropy_coef=0.5)
+    assert trainer.rl_loss_config.entropy_coef == 0.5
+    assert diff < TOLERANCE, diff
+    for log in logs:  # the bonus is −coef × the micro-batches' mean entropy: non-trivial, and logged
+        assert log["loss/entropy_bonus"] < -1e-2 and log["entropy_coef"] == 0.5
+
+
+def test_entropy_bonus_adaptive_and_resume(tok, tmp_path):
+    # target above the tiny model's entropy: the coefficient grows by delta each step and applies from step 2
+    options = dict(
+        loss_type="dapo", entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.2
+    )
+    trainer, logs, diff = _parity(tok, tmp_path, save_strategy="steps", save_steps=2, **options)
+    assert diff < TOLERANCE, diff
+    assert [round(log["entropy_coef"], 6) for log in logs] == [0.3, 0.5, 0.7]
+    assert "loss/entropy_bonus" not in logs[0] and logs[1]["loss/entropy_bonus"] < -1e-2
+    assert trainer.entropy_coef == pytest.approx(0.7)
+    # the controller's state is in the checkpoint, and a resumed trainer starts from it
+    import json
+
+    state = json.loads((tmp_path / "ours" / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+    assert state["entropy_coef"] == pytest.approx(0.5)
+    args = RLLossGRPOConfig(
+        output_dir=str(tmp_path / "resumed"),
+        **{**BASE_ARGS, **COMMON, **options, "save_strategy": "steps", "save_steps": 2},
+    )
+    resumed = RLLossGRPOTrainer(
+        make_model(tok), [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok
+    )
+    patch_generation(resumed, tok)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert resumed.entropy_coef == pytest.approx(0.7)  # 0.5 restored, + delta at step 3
