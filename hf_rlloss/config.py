@@ -184,6 +184,13 @@ class BaseRLLossConfig(BaseModel):
             `∂H/∂z = −p (log p + H)` is taken in the chunk pass: the loss must be computed from hidden states. A
             context's `entropy_coef` attribute overrides it for that micro-batch (`RLLossGRPOTrainer`'s adaptive
             control). Not with sequence parallelism.
+        top_entropy_quantile (`float`, *optional*, defaults to `1.0`): train the policy loss only on the
+            high-entropy tokens (TRL's `top_entropy_quantile` ρ ∈ [0, 1], "Beyond the 80/20 rule"): a token keeps
+            its policy loss when its full-vocabulary entropy under the current policy is ≥ the `1 − ρ` quantile
+            (`torch.quantile`, linear interpolation) of the entropies of the micro-batch's valid tokens **on all
+            ranks** (TRL's choice: per micro-batch, gathered over processes; not over the whole step). The
+            denominators and the KL term are unchanged; the entropy bonus acts on the kept tokens. Costs a no-grad
+            head pass for the entropies; hidden-state path only; not with sequence parallelism. 1.0 keeps every token.
         logit_softcapping (`float`, *optional*): final-logit softcapping `c > 0` of the hidden-state path: the logits
             are `c·tanh((hidden @ Wᵀ)/c)` before the temperature, as Gemma 2 computes them
             (`final_logit_softcapping`; `RLLossGRPOTrainer` reads it from the model config). Defaults to none.
@@ -212,6 +219,7 @@ class BaseRLLossConfig(BaseModel):
     compute_entropy: bool = True
     logit_softcapping: float | None = Field(None, gt=0, allow_inf_nan=False)
     entropy_coef: float = Field(0.0, allow_inf_nan=False)
+    top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0)
     nonfinite_inputs: Literal["error", "mask"] = "error"
     rollout_is: RolloutImportanceSampling = Field(default_factory=RolloutImportanceSampling)
 

@@ -162,3 +162,90 @@ def test_entropy_bonus_config_and_logprob_path():
     type(ctx).build_batches([ctx])
     with pytest.raises(ValueError, match="entropy_coef=0.1: the entropy bonus needs"):
         ctx(logprobs=torch.tensor([[-1.0, -2.0]]))
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.3])
+def test_top_entropy_quantile_closed_form(coef):
+    """Only tokens with H ≥ the (1 − ρ) quantile (torch.quantile over the micro-batch's valid tokens) keep their policy
+    loss; the denominator stays the valid-token count; the bonus is the kept tokens' mean entropy."""
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+
+    h, w, _, _ = _problem(tokens=12, vocab=30)
+    labels = torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(5))
+    labels[1, 4:] = -100
+    advantages = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    rho = 0.3
+    cfg = GRPOLossConfig(top_entropy_quantile=rho, entropy_coef=coef, chunk_size=4)
+    ctx = cfg.build({"shifted_labels": labels, "advantages": advantages})
+    GRPOLossContext.build_batches([ctx])
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss, _ = ctx(hidden_states=hh.reshape(2, 6, -1), head_weight=ww, temperature=TEMP)
+    grads = torch.autograd.grad(loss, (hh, ww))
+
+    h2, w2 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    valid = labels.reshape(-1) != -100
+    log_p = torch.log_softmax(h2 @ w2.t() / TEMP, -1)[valid]
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    lp = log_p.gather(-1, labels.reshape(-1)[valid][:, None]).squeeze(-1)
+    keep = entropy.detach() >= torch.quantile(entropy.detach(), 1 - rho)
+    assert 0 < int(keep.sum()) < int(valid.sum())  # the mask is not trivial
+    adv = advantages.repeat_interleave(6)[valid]
+    ratio = (lp - lp.detach()).exp()  # on-policy: old log-probs are the current ones
+    naive = (-(adv * ratio) * keep).sum() / valid.sum() - coef * entropy[keep].mean()
+    torch.testing.assert_close(loss, naive)
+    for got, want in zip(grads, torch.autograd.grad(naive, (h2, w2))):
+        torch.testing.assert_close(got, want)
+
+
+def _quantile_worker(rank, world_size, out_dir):
+    """Each rank holds one row of the micro-batch: the quantile is taken over both ranks' tokens (TRL's gather)."""
+    from hf_rlloss import GRPOLossContext
+    from hf_rlloss.distributed import all_reduce
+
+    h, w, labels, advantages, cfg = _quantile_problem()
+    ctx = cfg.build({"shifted_labels": labels[rank : rank + 1], "advantages": advantages[rank : rank + 1]})
+    GRPOLossContext.build_batches([ctx])
+    ww = w.clone().requires_grad_(True)
+    loss, _ = ctx(hidden_states=h.reshape(2, 6, -1)[rank : rank + 1], head_weight=ww, temperature=TEMP)
+    grad = torch.autograd.grad(loss, ww)[0]
+    all_reduce(grad)  # DDP: the mean over ranks of the rank losses' gradients (each multiplied by grad_scale=2)
+    total = loss.detach().clone()
+    all_reduce(total)
+    if rank == 0:
+        torch.save((total / world_size, grad / world_size), f"{out_dir}/quantile.pt")
+
+
+def _quantile_problem():
+    from hf_rlloss import GRPOLossConfig
+
+    h, w, _, _ = _problem(tokens=12, vocab=30)
+    labels = torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(5))
+    labels[1, 4:] = -100
+    advantages = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    return h, w, labels, advantages, GRPOLossConfig(top_entropy_quantile=0.5, chunk_size=4)
+
+
+@pytest.mark.distributed
+def test_top_entropy_quantile_is_gathered_over_ranks(tmp_path):
+    from _dist import run_distributed
+
+    from hf_rlloss import GRPOLossContext
+
+    run_distributed(_quantile_worker, 2, str(tmp_path), timeout=300)
+    loss, grad = torch.load(tmp_path / "quantile.pt")
+    h, w, labels, advantages, cfg = _quantile_problem()
+    ctx = cfg.build({"shifted_labels": labels, "advantages": advantages})
+    GRPOLossContext.build_batches([ctx])
+    ww = w.clone().requires_grad_(True)
+    ref, _ = ctx(hidden_states=h.reshape(2, 6, -1), head_weight=ww, temperature=TEMP)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, torch.autograd.grad(ref, ww)[0])
+    # a per-rank quantile would keep other tokens: the test is not vacuous
+    log_p = torch.log_softmax(h @ w.t() / TEMP, -1)
+    entropy = -(log_p.exp() * log_p).sum(-1).reshape(2, 6)
+    valid = labels != -100
+    everywhere = torch.quantile(entropy[valid], 0.5)
+    per_rank = [torch.quantile(entropy[r][valid[r]], 0.5) for r in range(2)]
+    assert any(
+        not torch.equal(entropy[r][valid[r]] >= everywhere, entropy[r][valid[r]] >= per_rank[r]) for r in range(2)
+    )

@@ -377,3 +377,14 @@ def test_entropy_bonus_adaptive_and_resume(tok, tmp_path):
     patch_generation(resumed, tok)
     resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
     assert resumed.entropy_coef == pytest.approx(0.7)  # 0.5 restored, + delta at step 3
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 2: the high-entropy token mask (top_entropy_quantile), per micro-batch as TRL
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.5])
+def test_top_entropy_quantile(tok, tmp_path, entropy_coef):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=entropy_coef)
+    assert trainer.rl_loss_config.top_entropy_quantile == 0.3
+    assert diff < TOLERANCE, diff
