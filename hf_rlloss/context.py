@@ -532,6 +532,10 @@ class BaseRLLossContext:
             metrics[P + "entropy_tokens"] = zero
         if self.entropy_coef != 0.0:
             metrics["loss/entropy_bonus"] = zero
+        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
+            if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
+                metrics[P + "entropy_kept_sum"] = zero
+                metrics[P + "entropy_kept_tokens"] = zero
         return metrics
 
 
@@ -659,6 +663,10 @@ class GRPOLossContext(BaseRLLossContext):
             metrics[P + "opsm_masked_count"] = (~keep).float().sum()
         if "entropy_keep" in tokens:
             weight = torch.where(tokens["entropy_keep"][sl], weight, 0.0)
+            if entropy is not None:
+                kept_entropy = torch.where(tokens["entropy_keep"][sl], entropy.detach(), 0.0)
+                metrics[P + "entropy_kept_sum"] = kept_entropy.float().sum()
+                metrics[P + "entropy_kept_tokens"] = tokens["entropy_keep"][sl].float().sum()
         # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
         policy = torch.where(weight != 0, per_token * weight, 0.0).sum()
         metrics["loss/policy"] = policy.detach()

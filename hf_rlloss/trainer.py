@@ -1433,7 +1433,13 @@ class RLLossGRPOTrainer(GRPOTrainer):
         (`entropy_coef`, `_last_world_entropy`), saved in each checkpoint and restored on resume by TRL's own
         `_save_checkpoint` / `_load_optimizer_and_scheduler` (`entropy_ctrl_state.json`)."""
         if self.use_adaptive_entropy:
-            entropies = self._metrics["train"].get("train_policy/entropy")
+            # over the tokens the entropy bonus acts on, as TRL: those top_entropy_quantile keeps, else all
+            key = (
+                "train_policy/entropy_kept"
+                if self.rl_loss_config.top_entropy_quantile < 1.0
+                else "train_policy/entropy"
+            )
+            entropies = self._metrics["train"].get(key)
             if not entropies:
                 raise RuntimeError("use_adaptive_entropy needs the step's entropy: keep rl_loss.compute_entropy=True")
             world_entropy = entropies[-1]  # reduced over all ranks' tokens by _log_rl_metrics

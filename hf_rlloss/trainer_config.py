@@ -6,8 +6,7 @@ The loss layer replaces TRL's loss, so the TRL options that configured it (`loss
 * without `rl_loss`, they are **mapped** onto an equivalent loss config (see `trl_options_to_rl_loss`);
 * with `rl_loss`, any of them left at a non-default value must agree with `rl_loss`, otherwise construction fails
   with a message naming the `rl_loss` key to use;
-* the TRL loss features the layer has no equivalent for yet (`use_adaptive_entropy` with
-  `top_entropy_quantile < 1`) are rejected.
+* the TRL loss features the layer has no equivalent for yet are rejected (none at present: `_UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if args.use_bias_correction_kl:
             rl_loss["kl_bias_correction"] = level
             source["kl_bias_correction"] = "use_bias_correction_kl"
-    if args.top_entropy_quantile < 1.0:
+    if args.top_entropy_quantile != 1.0:  # out-of-range values are then refused by the field
         rl_loss["top_entropy_quantile"] = args.top_entropy_quantile
         source["top_entropy_quantile"] = "top_entropy_quantile"
     if args.entropy_coef != 0.0 and not args.use_adaptive_entropy:
@@ -350,12 +349,6 @@ class RLLossGRPOConfig(GRPOConfig):
         for name, (in_use, why) in _UNSUPPORTED.items():
             if in_use(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
-        if self.use_adaptive_entropy and self.top_entropy_quantile < 1.0:
-            raise ValueError(
-                f"use_adaptive_entropy with top_entropy_quantile={self.top_entropy_quantile} is not supported yet: "
-                "TRL's controller measures the entropy of the kept tokens only, the loss layer's metric is over all "
-                "valid tokens"
-            )
         self.rl_loss_config = self._build_rl_loss_config()
         self._check_rollout_is_backend()
 

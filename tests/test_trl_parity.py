@@ -383,8 +383,29 @@ def test_entropy_bonus_adaptive_and_resume(tok, tmp_path):
 # Item 2: the high-entropy token mask (top_entropy_quantile), per micro-batch as TRL
 
 
-@pytest.mark.parametrize("entropy_coef", [0.0, 0.5])
-def test_top_entropy_quantile(tok, tmp_path, entropy_coef):
-    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", top_entropy_quantile=0.3, entropy_coef=entropy_coef)
+@pytest.mark.parametrize("bonus", ["none", "static", "adaptive"])
+def test_top_entropy_quantile(tok, tmp_path, bonus):
+    options = {
+        "none": {},
+        "static": dict(entropy_coef=0.5),
+        # the target sits between the kept tokens' entropy and the lower all-token one: the controller moves the
+        # coefficient one way if it measures the kept tokens (as TRL), the other way if it measured all tokens
+        "adaptive": dict(entropy_coef=0.5, use_adaptive_entropy=True, entropy_coef_delta=0.1),
+    }[bonus]
+    if bonus == "adaptive":
+        probe, _, _ = _parity(tok, tmp_path / "probe", loss_type="dapo", top_entropy_quantile=0.3)
+        step = [log for log in probe.state.log_history if "train_policy/entropy_kept" in log][0]
+        kept, everything = step["train_policy/entropy_kept"], step["train_policy/entropy"]
+        assert kept > everything + 1e-4
+        options["entropy_target"] = (kept + everything) / 2
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", top_entropy_quantile=0.3, **options)
     assert trainer.rl_loss_config.top_entropy_quantile == 0.3
     assert diff < TOLERANCE, diff
+    assert all(0 < log["train_policy/entropy_kept"] for log in logs)
+    if bonus == "adaptive":
+        target, coef = options["entropy_target"], 0.5
+        for log in logs:
+            coef = min(coef + 0.1, 1.0) if log["train_policy/entropy_kept"] <= target else max(coef - 0.1, 0.0)
+            assert log["entropy_coef"] == pytest.approx(coef)
+        kept_side = [log["train_policy/entropy_kept"] > target for log in logs]
+        assert kept_side != [log["train_policy/entropy"] > target for log in logs]  # the two measures disagree
