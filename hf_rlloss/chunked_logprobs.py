@@ -17,6 +17,13 @@ Both operate on flat tensors of the valid tokens: ``hidden (N, H)``, ``labels (N
 (row max, log-sum-exp, entropy); the objective's gradient and from it the logits' gradient ``(onehot − p)·g/T``,
 written over the logits; the two gradient GEMMs.
 
+**Softcapping.** With final-logit softcapping ``c`` (Gemma 2's `final_logit_softcapping`) the logits are
+``c·tanh((hidden @ weightᵀ) / c) / temperature``, as transformers' Gemma 2 and TRL apply them (softcap, then the
+temperature). The chunk's block then holds ``t = tanh(z/c)`` in place of ``z``: the softmax reads it scaled by ``c/T``,
+and the logits' gradient is multiplied by ``∂(c·t)/∂z = 1 − t²`` in the same elementwise pass, so softcapping adds one
+``tanh`` per element and no buffer. In half precision ``t`` is rounded (|Δt| ≤ 2⁻⁹), so the softcapped logit moves by
+at most ``c·2⁻⁹`` (bf16), the same order as the rounding of unsoftcapped logits of magnitude ``c``.
+
 **Precision.** The GEMMs run in ``matmul_dtype`` (defaults to the inputs' common dtype) with float32 accumulation.
 
 * float32 / float64: the logits are float32 / float64; the probabilities are written over them with one ``exp`` per
@@ -146,14 +153,94 @@ def _neg_scaled_probs_fused_(logits: torch.Tensor, log_normalizer: torch.Tensor,
     return logits
 
 
+def _neg_scaled_probs_softcap_eager_(
+    logits: torch.Tensor, log_normalizer: torch.Tensor, scale: torch.Tensor, inv_temp: float
+):
+    """Softcapped: the block holds ``t = tanh(z/c)`` and ``inv_temp = c/T``. In place:
+    ``block ← −scale · softmax(t·c/T) · (1 − t²)`` (the chain rule through ``c·tanh(z/c)``), in float32."""
+    dtype = _compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        block = logits[rows]
+        t = block.to(dtype, copy=True)
+        probs = (t * inv_temp).sub_(log_normalizer[rows, None]).exp_()
+        block.copy_(probs.mul_(t.mul_(t).neg_().add_(1.0)).mul_(-scale[rows, None]))
+    return logits
+
+
+def _neg_scaled_probs_softcap_fused_(
+    logits: torch.Tensor, log_normalizer: torch.Tensor, scale: torch.Tensor, inv_temp: float
+):
+    """Same as `_neg_scaled_probs_softcap_eager_`, for `torch.compile`."""
+    t = logits.to(_compute_dtype(logits.dtype))
+    logits.copy_(torch.exp(t * inv_temp - log_normalizer[:, None]) * (1.0 - t * t) * -scale[:, None])
+    return logits
+
+
+def _entropy_grad_eager_(
+    logits: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    scale: torch.Tensor,
+    inv_temp: float,
+    entropy: torch.Tensor,
+    entropy_scale: torch.Tensor,
+    softcapped: bool,
+):
+    """In place: ``block ← −p · (scale + entropy_scale · (log p + H))`` (× ``1 − t²`` when `softcapped`, the block
+    then holding ``t = tanh(z/c)``), with ``log p = block·inv_temp − log Z``: the logits' gradient of
+    ``g·log π(y) + g_H·H`` less the label's one-hot term, since ``∂H/∂z_v = −p_v (log p_v + H)`` (per unit of
+    ``z/T``; `scale` and `entropy_scale` carry the ``1/T``). All `(n,)` inputs float32; computed in float32."""
+    dtype = _compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _ROW_BLOCK):
+        rows = slice(start, start + _ROW_BLOCK)
+        block = logits[rows]
+        x = block.to(dtype, copy=True)
+        log_p = (x * inv_temp).sub_(log_normalizer[rows, None])
+        grad = (log_p + entropy[rows, None]).mul_(entropy_scale[rows, None]).add_(scale[rows, None])
+        grad.mul_(log_p.exp_().neg_())
+        if softcapped:
+            grad.mul_(x.mul_(x).neg_().add_(1.0))
+        block.copy_(grad)
+    return logits
+
+
+def _entropy_grad_fused_(
+    logits: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    scale: torch.Tensor,
+    inv_temp: float,
+    entropy: torch.Tensor,
+    entropy_scale: torch.Tensor,
+    softcapped: bool,
+):
+    """Same as `_entropy_grad_eager_`, for `torch.compile`."""
+    x = logits.to(_compute_dtype(logits.dtype))
+    log_p = x * inv_temp - log_normalizer[:, None]
+    grad = -torch.exp(log_p) * (scale[:, None] + entropy_scale[:, None] * (log_p + entropy[:, None]))
+    logits.copy_(grad * (1.0 - x * x) if softcapped else grad)
+    return logits
+
+
 def _accumulate_(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``total += value`` (a float32 accumulator, a half-precision GEMM result). Compiled, the conversion is
     vectorized: eager CPU `add_` across dtypes runs several times slower than within one dtype."""
     return total.add_(value.to(total.dtype))
 
 
-_EAGER = {"stats": _softmax_stats_eager, "grad": _neg_scaled_probs_eager_, "accumulate": _accumulate_}
-_FUSED = {"stats": _softmax_stats_fused, "grad": _neg_scaled_probs_fused_, "accumulate": _accumulate_}
+_EAGER = {
+    "stats": _softmax_stats_eager,
+    "grad": _neg_scaled_probs_eager_,
+    "grad_softcap": _neg_scaled_probs_softcap_eager_,
+    "grad_entropy": _entropy_grad_eager_,
+    "accumulate": _accumulate_,
+}
+_FUSED = {
+    "stats": _softmax_stats_fused,
+    "grad": _neg_scaled_probs_fused_,
+    "grad_softcap": _neg_scaled_probs_softcap_fused_,
+    "grad_entropy": _entropy_grad_fused_,
+    "accumulate": _accumulate_,
+}
 _compiled: dict[str, Callable] = {}
 _compile_failed: str | None = None
 
@@ -205,6 +292,18 @@ def _label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, l
     return torch.linalg.vecdot(h.float(), weight[labels].float())
 
 
+def _softcap_(
+    logits: torch.Tensor, label_logits: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-logit softcapping of one chunk: the block becomes ``t = tanh(z/c)`` in place (the softcapped logits are
+    ``c·t``; `_chunk_softmax` and `_grad_logits_` read it so), the label logits ``c·tanh(z_y/c)`` (from the exact
+    label logits, in float32). Without `softcap`, both unchanged."""
+    if softcap is None:
+        return logits, label_logits
+    logits.div_(softcap).tanh_()
+    return logits, softcap * torch.tanh(label_logits / softcap)
+
+
 def _chunk_softmax(
     logits: torch.Tensor,
     label_logits: torch.Tensor,
@@ -212,8 +311,15 @@ def _chunk_softmax(
     with_entropy: bool,
     want_probs: bool,
     compiled: bool,
+    softcap: float | None = None,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``log π(label)`` `(n,)` and the entropies `(n,)` of one chunk's logits block.
+
+    With `softcap` the block holds ``tanh(z/c)`` (see `_softcap_`) and `label_logits` are already softcapped: the
+    statistics run through the epilogue kernels on the block scaled by ``c/T``, and the block is left as it is.
+    So they do with `keep_logits` (the entropy's gradient needs ``log p``, which probabilities lose where they
+    underflow).
 
     float32/float64 eager (one `exp` per element): per row block ``m = max z``, ``e = exp(z − m)``, ``s = Σ e``, then
     ``log π(y) = z_y − m − log s``, ``H = log s − Σ e·(z − m) / s``, and with `want_probs` ``p = e / s`` is written
@@ -224,10 +330,10 @@ def _chunk_softmax(
         `(block, log π(y), entropy, log Z)`: ``log Z`` `(n,)` is the log-normalizer of ``logits / T``, or `None` when
         the block now holds the probabilities.
     """
-    inv_temp = 1.0 / temperature
-    if compiled or logits.dtype in _HALF:
-        log_normalizer, entropy = _run_epilogue("stats", compiled, logits, inv_temp, with_entropy)
-        return logits, label_logits * inv_temp - log_normalizer, entropy, log_normalizer
+    if compiled or logits.dtype in _HALF or softcap is not None or keep_logits:
+        block_inv_temp = (1.0 if softcap is None else softcap) / temperature
+        log_normalizer, entropy = _run_epilogue("stats", compiled, logits, block_inv_temp, with_entropy)
+        return logits, label_logits / temperature - log_normalizer, entropy, log_normalizer
     if temperature != 1.0:
         logits.div_(temperature)
         label_logits = label_logits / temperature
@@ -256,17 +362,34 @@ def _grad_logits_(
     grad_lp: torch.Tensor,
     temperature: float,
     compiled: bool,
+    softcap: float | None = None,
+    label_logits: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """In place over the chunk's block: ``∂J/∂logits = (onehot(y) − softmax(z/T)) · g / T`` with
-    ``g = ∂J/∂log π(y)`` `(n,)`; the block holds the probabilities when `log_normalizer` is `None`, else the logits."""
+    ``g = ∂J/∂log π(y)`` `(n,)`; the block holds the probabilities when `log_normalizer` is `None`, else the logits.
+    With `softcap` (the block holds ``tanh(z/c)``, `label_logits` the softcapped ``c·tanh(z_y/c)``) each column is
+    also multiplied by ``1 − tanh²(z/c)``, the derivative of the softcap. With `grad_entropy` (``g_H = ∂J/∂H``
+    `(n,)`) the entropy's gradient ``−g_H·p·(log p + H)/T`` is added in the same pass (`log_normalizer` required)."""
     scale = (grad_lp / temperature if temperature != 1.0 else grad_lp).to(_compute_dtype(block.dtype))
-    if log_normalizer is None:
+    label_scale = scale
+    if softcap is not None:
+        label_scale = scale * (1.0 - (label_logits.to(scale.dtype) / softcap) ** 2)
+    if grad_entropy is not None:
+        entropy_scale = (grad_entropy / temperature).to(scale.dtype)
+        inv_temp = (1.0 if softcap is None else softcap) / temperature
+        args = (block, log_normalizer, scale, inv_temp, entropy.to(scale.dtype), entropy_scale, softcap is not None)
+        _run_epilogue("grad_entropy", compiled, *args)
+    elif softcap is not None:
+        _run_epilogue("grad_softcap", compiled, block, log_normalizer, scale, softcap / temperature)
+    elif log_normalizer is None:
         block.mul_(-scale.unsqueeze(-1))
     else:
         _run_epilogue("grad", compiled, block, log_normalizer, scale, 1.0 / temperature)
     # + g/T at each row's label: indexing, not scatter_add_ (which is pathologically slow on CPU half tensors)
     rows = torch.arange(block.shape[0], device=block.device)
-    block[rows, labels] += scale.to(block.dtype)
+    block[rows, labels] += label_scale.to(block.dtype)
     return block
 
 
@@ -289,6 +412,7 @@ def chunked_logprobs(
     with_entropy: bool = False,
     matmul_dtype: torch.dtype | None = None,
     compile_epilogue: bool | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and optionally the full-vocabulary entropy) under ``softmax(hidden @ weightᵀ / T)``.
 
@@ -304,6 +428,8 @@ def chunked_logprobs(
             mixed precision); defaults to the common dtype of `hidden` and `weight`. See the module docstring.
         compile_epilogue (`bool`, *optional*): `torch.compile` the softmax statistics; defaults to on for
             half-precision matmuls only. Falls back to the eager kernel if compilation fails.
+        softcap (`float`, *optional*): final-logit softcapping ``c > 0``: the logits are ``c·tanh(z/c) / T`` (Gemma 2's
+            `final_logit_softcapping`). Defaults to none.
 
     Returns:
         `(torch.Tensor, torch.Tensor | None)`: `(N,)` float32 (float64 for float64 inputs) log-probs and `(N,)`
@@ -321,9 +447,9 @@ def chunked_logprobs(
         sl = slice(start, min(start + chunk_size, n))
         h = hidden[sl].to(dtype)
         logits = _chunk_logits(h, w)
-        label_logits = _label_logits(h, w, labels[sl], logits)
+        logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[sl], logits), softcap)
         _, logprobs[sl], chunk_entropy, _ = _chunk_softmax(
-            logits, label_logits, temperature, with_entropy, want_probs=False, compiled=compiled
+            logits, label_logits, temperature, with_entropy, want_probs=False, compiled=compiled, softcap=softcap
         )
         if entropy is not None:
             entropy[sl] = chunk_entropy
@@ -339,6 +465,7 @@ def chunked_kept_logmass(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``labels`` under ``π = softmax(z)``, ``z = hidden @ weightᵀ / T``, and ``log Σ_{v kept} π(v)``: the
     log of the mass that a sampling truncation of ``z`` keeps (replayed on the trainer's distribution).
@@ -349,7 +476,8 @@ def chunked_kept_logmass(
     renormalized over the kept support is ``log π(y) − log K`` (``-inf`` if ``y`` was cut).
 
     Args:
-        hidden, weight, labels, temperature, chunk_size: see `chunked_logprobs`.
+        hidden, weight, labels, temperature, chunk_size, softcap: see `chunked_logprobs` (the truncation sees the
+            softcapped logits divided by the temperature, as in generation).
         truncation (`Callable`): `(input_ids or None, scores (n, V)) -> scores`; applied to blocks of 64 rows, so its
             temporaries (a sort for top-p) stay at `64 × V`.
 
@@ -363,6 +491,8 @@ def chunked_kept_logmass(
     kept_logmass = torch.empty(n, dtype=dtype, device=hidden.device)
     for start in range(0, n, chunk_size):
         logits = (hidden[start : start + chunk_size] @ weight.t()).to(dtype)
+        if softcap is not None:
+            logits.div_(softcap).tanh_().mul_(softcap)
         if temperature != 1.0:
             logits.div_(temperature)
         for block_start in range(0, logits.shape[0], _ROW_BLOCK):
@@ -377,7 +507,19 @@ def chunked_kept_logmass(
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics_out, dtype, compiled
+        ctx,
+        hidden,
+        weight,
+        labels,
+        objective,
+        chunk_size,
+        temperature,
+        with_entropy,
+        metrics_out,
+        dtype,
+        compiled,
+        softcap,
+        entropy_grad,
     ):
         n = labels.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -392,21 +534,44 @@ class _ChunkedObjective(torch.autograd.Function):
             h = hidden[sl].to(dtype)
             # 1. logits (n, V) and the softmax statistics
             logits = _chunk_logits(h, w)
-            label_logits = _label_logits(h, w, labels[sl], logits)
+            logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[sl], logits), softcap)
             block, token_logprobs, entropy, log_normalizer = _chunk_softmax(
-                logits, label_logits, temperature, with_entropy, want_probs=need_h or need_w, compiled=compiled
+                logits,
+                label_logits,
+                temperature,
+                with_entropy,
+                want_probs=need_h or need_w,
+                compiled=compiled,
+                softcap=softcap,
+                keep_logits=entropy_grad,
             )
             # 2. the objective and its gradient w.r.t. the chunk's log-probs (autograd on an (n,) vector)
             with torch.enable_grad():
                 lp = token_logprobs.detach().requires_grad_(True)
-                value, metrics = objective(lp, sl, entropy)
-                (grad_lp,) = torch.autograd.grad(value, lp, allow_unused=True)
+                ent = entropy.detach().requires_grad_(True) if entropy_grad else entropy
+                value, metrics = objective(lp, sl, ent)
+                inputs = (lp, ent) if entropy_grad else (lp,)
+                grad_lp, *grad_ent = torch.autograd.grad(value, inputs, allow_unused=True)
+                grad_ent = grad_ent[0] if grad_ent else None
+            if grad_lp is None and grad_ent is not None:
+                grad_lp = torch.zeros_like(lp)
             total += value.detach().to(acc_dtype)
             accumulate_metrics(metrics_out, metrics)
             if grad_lp is None or not (need_h or need_w):
                 continue
-            # 3. d log π(y) / d logits = onehot(y) − softmax, written over the block (in the matmul dtype)
-            grad_logits = _grad_logits_(block, log_normalizer, labels[sl], grad_lp, temperature, compiled)
+            # 3. d log π(y) / d logits = onehot(y) − softmax (× 1 − tanh² softcapped), written over the block
+            grad_logits = _grad_logits_(
+                block,
+                log_normalizer,
+                labels[sl],
+                grad_lp,
+                temperature,
+                compiled,
+                softcap,
+                label_logits,
+                entropy,
+                grad_ent,
+            )
             grad_logits = grad_logits.to(dtype)
             # 4. the two gradient GEMMs
             if need_h:
@@ -430,7 +595,7 @@ class _ChunkedObjective(torch.autograd.Function):
             )
         if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
             grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
-        return *grads, None, None, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_objective(
@@ -444,6 +609,8 @@ def chunked_objective(
     with_entropy: bool = False,
     matmul_dtype: torch.dtype | None = None,
     compile_epilogue: bool | None = None,
+    softcap: float | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Value of ``Σ_chunks objective(log π(labels[chunk]), chunk, entropy[chunk])``, differentiable w.r.t. ``hidden``
     and ``weight``, computed chunk by chunk with the gradients taken during the forward.
@@ -455,17 +622,33 @@ def chunked_objective(
         objective (`Callable`): `(logprobs (n,), chunk slice, entropy (n,) or None) -> (scalar, metrics)`; it must be
             separable over tokens (a chunk's value may depend only on that chunk's log-probs). Metrics (detached
             0-dim tensors) are summed over chunks.
-        temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue: see `chunked_logprobs`. The gradients
-            come back in the dtypes of `hidden` and `weight`, whatever `matmul_dtype`.
+        temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue, softcap: see `chunked_logprobs`. The
+            gradients come back in the dtypes of `hidden` and `weight`, whatever `matmul_dtype`.
+        entropy_grad (`bool`, *optional*, defaults to `False`): the objective may depend on the entropies it is
+            given (needs `with_entropy`): their gradient ``∂J/∂H`` is taken with the log-probs' and propagated through
+            ``∂H/∂z_v = −p_v (log p_v + H)`` in the same chunk pass (no `(tokens, vocab)` tensor beyond the chunk).
 
     Returns:
         `(torch.Tensor, dict)`: the scalar objective (float32, float64 for float64 inputs) and the summed metrics.
     """
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True (the objective's entropy input)")
     metrics: dict[str, torch.Tensor] = {}
     dtype = _matmul_dtype(hidden, weight, matmul_dtype)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], dtype)
     compiled = _use_compiled(compile_epilogue, dtype)
     value = _ChunkedObjective.apply(
-        hidden, weight, labels, objective, chunk_size, temperature, with_entropy, metrics, dtype, compiled
+        hidden,
+        weight,
+        labels,
+        objective,
+        chunk_size,
+        temperature,
+        with_entropy,
+        metrics,
+        dtype,
+        compiled,
+        softcap,
+        entropy_grad,
     )
     return value, metrics

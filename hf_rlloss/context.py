@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .aggregation import aggregation_weights
 from .chunked_logprobs import chunked_logprobs, chunked_objective
-from .distributed import all_reduce, world_size
+from .distributed import all_reduce, is_distributed, world_size
 from .kl import kl_penalty
 from .metrics import VALID_TOKENS, P, accumulate_metrics
 from .rollout_is import compute_rollout_is
@@ -170,6 +170,10 @@ class BaseRLLossContext:
         self.pending_metrics: dict[str, Any] = {}  # metrics of the preparation, emitted by the first call
         self.deferred_rollout_is_mask: torch.Tensor | None = None  # set by defer_rollout_is
         self.micro_batch: int | None = None  # index in the optimizer step, for error messages (see `cfg.build`)
+        self.entropy_coef: float = getattr(loss_cfg, "entropy_coef", 0.0)  # the trainer's adaptive control sets it
+        self.entropy_scale: float | None = None  # 1 / (tokens × micro-batches × grad_scale), set by build_batches
+        self.entropy_keep_scale = 1.0  # valid / kept tokens under top_entropy_quantile
+        self.process_group = None  # the step's ranks (set by build_batches): the entropy quantile is over them
 
     def _name(self, position: int | None = None) -> str:
         """`"micro-batch i"` for messages: the index given to `cfg.build`, else the position in `build_batches`."""
@@ -348,6 +352,16 @@ class BaseRLLossContext:
         labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
         index, tokens = self._valid_tokens()
         if logprobs is not None:
+            if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
+                raise ValueError(
+                    f"top_entropy_quantile={self.loss_cfg.top_entropy_quantile}: the high-entropy mask needs the "
+                    "full-vocabulary entropies; compute the loss from hidden_states=... and head_weight=..."
+                )
+            if self.entropy_coef != 0.0:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef}: the entropy bonus needs the full-vocabulary distribution; "
+                    "compute the loss from hidden_states=... and head_weight=..."
+                )
             if tuple(logprobs.shape) != labels_shape:
                 raise ValueError(
                     f"logprobs has shape {tuple(logprobs.shape)} but shifted_labels has shape {labels_shape}"
@@ -378,15 +392,19 @@ class BaseRLLossContext:
             seq_mean = None
             if self._needs_sequence_pass():
                 # Per-sequence terms need every token's log-prob first: a no-grad pass, then the chunked one.
-                token_logprobs, _ = chunked_logprobs(
+                token_logprobs, token_entropy = chunked_logprobs(
                     hidden.detach(),
                     head_weight.detach(),
                     tokens["shifted_labels"],
                     temperature=temperature,
                     chunk_size=self.loss_cfg.chunk_size,
+                    with_entropy=self.loss_cfg.top_entropy_quantile < 1.0,
                     matmul_dtype=matmul_dtype,
                     compile_epilogue=self.loss_cfg.compile_epilogue,
+                    softcap=self.loss_cfg.logit_softcapping,
                 )
+                if token_entropy is not None:
+                    tokens["entropy_keep"] = self._high_entropy_mask(token_entropy)
                 seq_mean = self._sequence_terms(token_logprobs, tokens)
 
             deferred = self.deferred_rollout_is_mask is not None
@@ -404,9 +422,11 @@ class BaseRLLossContext:
                 objective,
                 temperature=temperature,
                 chunk_size=self.loss_cfg.chunk_size,
-                with_entropy=self.loss_cfg.compute_entropy,
+                with_entropy=self.loss_cfg.compute_entropy or self.entropy_coef != 0.0,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.loss_cfg.compile_epilogue,
+                softcap=self.loss_cfg.logit_softcapping,
+                entropy_grad=self.entropy_coef != 0.0,
             )
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
         if self.deferred_rollout_is_mask is not None:
@@ -420,6 +440,30 @@ class BaseRLLossContext:
             raise FloatingPointError(f"the loss of this micro-batch is not finite ({float(loss)}); metrics: {summary}")
         return loss * self.grad_scale, metrics
 
+    def _high_entropy_mask(self, entropy: torch.Tensor) -> torch.Tensor:
+        """`(N,)` bool: the tokens whose entropy is ≥ the `1 − top_entropy_quantile` quantile of the micro-batch's
+        valid tokens on all ranks of the step (TRL's `get_high_entropy_mask`: gathered, padded with a negative
+        sentinel that no entropy can equal). Also rescales the entropy bonus to a mean over the kept tokens."""
+        values = entropy.float()
+        if is_distributed() and world_size(self.process_group) > 1:
+            import torch.distributed as dist
+
+            size = torch.tensor([values.numel()], device=values.device)
+            sizes = [torch.zeros_like(size) for _ in range(world_size(self.process_group))]
+            dist.all_gather(sizes, size, group=self.process_group)
+            longest = int(max(int(s) for s in sizes))
+            padded = torch.full((longest,), -1e9, device=values.device)
+            padded[: values.numel()] = values
+            gathered = [torch.empty_like(padded) for _ in sizes]
+            dist.all_gather(gathered, padded, group=self.process_group)
+            values = torch.cat(gathered)
+            values = values[values != -1e9]
+        if values.numel() == 0:
+            return torch.zeros_like(entropy, dtype=torch.bool)
+        keep = entropy.float() >= torch.quantile(values, 1.0 - self.loss_cfg.top_entropy_quantile)
+        self.entropy_keep_scale = entropy.numel() / max(int(keep.sum()), 1)  # the bonus: a mean over kept tokens
+        return keep
+
     def _needs_sequence_pass(self) -> bool:
         """Whether the loss needs per-sequence statistics of the current log-probs before any token's loss."""
         cfg = self.loss_cfg
@@ -427,6 +471,7 @@ class BaseRLLossContext:
             cfg.policy_loss_cfg.spec.sequence_statistic is not None
             or cfg.off_policy_mask_threshold is not None
             or cfg.kl_bias_correction == "sequence"
+            or getattr(cfg, "top_entropy_quantile", 1.0) < 1.0
         )
 
     def _sequence_terms(
@@ -482,9 +527,15 @@ class BaseRLLossContext:
             metrics[P + "ref_kl_sum"] = zero
         if self.loss_cfg.off_policy_mask_threshold is not None:
             metrics[P + "opsm_masked_count"] = zero
-        if from_hidden and self.loss_cfg.compute_entropy:
+        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
             metrics[P + "entropy_sum"] = zero
             metrics[P + "entropy_tokens"] = zero
+        if self.entropy_coef != 0.0:
+            metrics["loss/entropy_bonus"] = zero
+        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
+            if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
+                metrics[P + "entropy_kept_sum"] = zero
+                metrics[P + "entropy_kept_tokens"] = zero
         return metrics
 
 
@@ -537,6 +588,10 @@ class GRPOLossContext(BaseRLLossContext):
             for ctx in contexts
         ]
         flat_counts = torch.cat(counts)
+        if sp_size(sp_mesh) > 1 and any(ctx.entropy_coef != 0.0 for ctx in contexts):
+            raise ValueError("entropy_coef is not supported with sequence parallelism (a shard's token mean differs)")
+        if sp_size(sp_mesh) > 1 and cfg.top_entropy_quantile < 1.0:
+            raise ValueError("top_entropy_quantile < 1 is not supported with sequence parallelism")
         if sp_size(sp_mesh) > 1:
             all_reduce(flat_counts, group=sp_group(sp_mesh))
         counts = list(torch.split(flat_counts, [len(c) for c in counts]))
@@ -562,6 +617,9 @@ class GRPOLossContext(BaseRLLossContext):
             kw.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
             ctx.seq_token_counts = seq_counts
             ctx.grad_scale = float(grad_scale)
+            ctx.process_group = process_group
+            # TRL's entropy bonus: a per-micro-batch token mean over the step's micro-batches (after × grad_scale)
+            ctx.entropy_scale = step_fraction / (len(contexts) * max(float(ctx.mask.sum()), 1.0) * float(grad_scale))
         return contexts
 
     def _handle_nonfinite(self, index: int) -> None:
@@ -596,11 +654,19 @@ class GRPOLossContext(BaseRLLossContext):
             logprobs, old, advantages, pcfg, seq_mean=None if seq_mean is None else seq_mean[sl]
         )
         weight = tokens["policy_loss_weight"][sl]
-        metrics = train_policy_metrics(logprobs.detach(), old, indicators, entropy)
+        metrics = train_policy_metrics(
+            logprobs.detach(), old, indicators, None if entropy is None else entropy.detach()
+        )
         if "opsm_keep" in tokens:
             keep = tokens["opsm_keep"][sl]
             weight = torch.where(keep, weight, 0.0)
             metrics[P + "opsm_masked_count"] = (~keep).float().sum()
+        if "entropy_keep" in tokens:
+            weight = torch.where(tokens["entropy_keep"][sl], weight, 0.0)
+            if entropy is not None:
+                kept_entropy = torch.where(tokens["entropy_keep"][sl], entropy.detach(), 0.0)
+                metrics[P + "entropy_kept_sum"] = kept_entropy.float().sum()
+                metrics[P + "entropy_kept_tokens"] = tokens["entropy_keep"][sl].float().sum()
         # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
         policy = torch.where(weight != 0, per_token * weight, 0.0).sum()
         metrics["loss/policy"] = policy.detach()
@@ -610,6 +676,11 @@ class GRPOLossContext(BaseRLLossContext):
             total = total + kl_loss
             metrics["loss/kl"] = kl_loss.detach()
             metrics[P + "ref_kl_sum"] = kl.detach().sum()
+        if self.entropy_coef != 0.0:
+            kept = entropy if "entropy_keep" not in tokens else torch.where(tokens["entropy_keep"][sl], entropy, 0.0)
+            bonus = -self.entropy_coef * self.entropy_scale * self.entropy_keep_scale * kept.sum()
+            total = total + bonus
+            metrics["loss/entropy_bonus"] = bonus.detach()
         return total, metrics
 
     def _kl_term(self, logprobs, old, sl, tokens) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,8 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     P + "ref_kl_sum": Reduction.SUM,
     P + "entropy_sum": Reduction.SUM,
     ENTROPY_TOKENS: Reduction.SUM,
+    P + "entropy_kept_sum": Reduction.SUM,
+    P + "entropy_kept_tokens": Reduction.SUM,
     P + "nonfinite_masked_tokens": Reduction.SUM,
     P + "ratio_max": Reduction.MAX,
     P + "ratio_min": Reduction.MIN,
@@ -52,6 +54,7 @@ METRIC_REDUCTIONS: dict[str, Reduction] = {
     "loss/policy": Reduction.SUM,
     "loss/kl": Reduction.SUM,
     "loss/router_aux": Reduction.SUM,
+    "loss/entropy_bonus": Reduction.SUM,
     "loss/total": Reduction.SUM,
 }
 
@@ -66,6 +69,8 @@ _MEANS = {
     P + "opsm_masked_frac": (P + "opsm_masked_count", VALID_TOKENS),
     P + "ref_kl": (P + "ref_kl_sum", VALID_TOKENS),
     P + "entropy": (P + "entropy_sum", ENTROPY_TOKENS),
+    # the tokens `top_entropy_quantile` keeps (what TRL's adaptive entropy control measures)
+    P + "entropy_kept": (P + "entropy_kept_sum", P + "entropy_kept_tokens"),
 }
 
 

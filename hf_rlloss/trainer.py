@@ -112,6 +112,16 @@ def _trl_deprecated_aliases_silenced() -> Iterator[None]:
         yield
 
 
+def _with_model_softcapping(loss_cfg: BaseRLLossConfig, lm: nn.Module) -> BaseRLLossConfig:
+    """The loss config with `logit_softcapping` set from the model's `final_logit_softcapping` (Gemma 2) when unset,
+    so that the chunked head computes the logits the model's own forward does. A value that differs from the
+    model's is left for `_check_model_supported` to refuse."""
+    softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is None or loss_cfg.logit_softcapping is not None:
+        return loss_cfg
+    return loss_cfg.model_copy(update={"logit_softcapping": float(softcap)})
+
+
 def _logit_scale(text_config: Any) -> float:
     """The factor the model multiplies its logits by before the softmax (1.0 for most models), as TRL reads it."""
     scale = getattr(text_config, "logit_scale", None)
@@ -448,9 +458,17 @@ class RLLossGRPOTrainer(GRPOTrainer):
     gradient_accumulation_steps` per micro-batch, averaged over ranks. It is logged as TRL's `aux_loss` and as
     `loss/router_aux`. Not with sequence parallelism (a shard does not see the micro-batch's routing statistics).
 
-    **Not supported** (rejected at construction): vision-language models, final-logit softcapping, an LM head with
-    a bias or a LoRA adapter on the head itself. A logit scale (`logit_scale`, `logits_scaling`, …) is folded into
-    the temperature.
+    **Entropy bonus** (TRL's `entropy_coef`, `use_adaptive_entropy`): `rl_loss.entropy_coef`, TRL's per-micro-batch
+    mean entropy with its gradient from the chunk pass. Adaptive control keeps TRL's state (`entropy_coef`,
+    `_last_world_entropy`), updated at each optimizer step's end from the step's entropy over all ranks' tokens, and
+    saved/restored with checkpoints by TRL's own code. Not with sequence parallelism.
+
+    **Final-logit softcapping** (Gemma 2's `final_logit_softcapping`) is read from the model config into
+    `rl_loss.logit_softcapping`: the chunked head computes `c·tanh(z/c)` before the temperature, and its gradient.
+
+    **Not supported** (rejected at construction): vision-language models, an LM head with a bias or a LoRA adapter
+    on the head itself, softcapping together with a logit scale. A logit scale (`logit_scale`, `logits_scaling`, …)
+    is folded into the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
@@ -514,6 +532,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "of a micro-batch, which one SP shard does not see; set router_aux_loss_coef=0.0 to train without it"
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        self.rl_loss_config = _with_model_softcapping(self.rl_loss_config, self._causal_lm(unwrapped))
         self._check_model_supported(unwrapped)
         if self.aux_loss_enabled:
             _load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
@@ -828,8 +847,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
         lm = self._causal_lm(unwrapped)
         name = type(lm).__name__
         text_config = lm.config.get_text_config()
-        if getattr(text_config, "final_logit_softcapping", None):
-            raise ValueError(f"{name} softcaps its logits (final_logit_softcapping), which the loss layer does not do")
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        if softcap != self.rl_loss_config.logit_softcapping:
+            raise ValueError(
+                f"{name} has final_logit_softcapping={softcap}, but the loss softcaps its logits with "
+                f"rl_loss.logit_softcapping={self.rl_loss_config.logit_softcapping}: they must match (the policy and "
+                "the reference are scored with the same head)"
+            )
+        if softcap is not None and _logit_scale(text_config) != 1.0:
+            raise ValueError(
+                f"{name} both scales ({_logit_scale(text_config)}) and softcaps its logits: the loss layer folds the "
+                "scale into the temperature, which is exact only without softcapping"
+            )
         if _logit_scale(text_config) <= 0:
             raise ValueError(f"{name} scales its logits by {_logit_scale(text_config)}: not supported")
         if getattr(lm, "base_model", lm) is lm:
@@ -937,7 +966,13 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 if matmul_dtype is not None:
                     h, w = h.to(matmul_dtype), w.to(matmul_dtype)
                 logps, kept = chunked_kept_logmass(
-                    h, w, labels, truncation, temperature=self._loss_temperature, chunk_size=chunk_size
+                    h,
+                    w,
+                    labels,
+                    truncation,
+                    temperature=self._loss_temperature,
+                    chunk_size=chunk_size,
+                    softcap=self.rl_loss_config.logit_softcapping,
                 )
                 return torch.stack([logps, kept], dim=-1)
             logps, _ = chunked_logprobs(
@@ -948,6 +983,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 chunk_size=chunk_size,
                 matmul_dtype=matmul_dtype,
                 compile_epilogue=self.rl_loss_config.compile_epilogue,
+                softcap=self.rl_loss_config.logit_softcapping,
             )
         return logps
 
@@ -1356,6 +1392,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if ctx is None:  # evaluation: every batch is its own step
             ctx = self.build_loss_context(inputs)
             type(ctx).build_batches([ctx], grad_averaging_size=self.accelerator.num_processes)
+        if self.use_adaptive_entropy:
+            # TRL's gating: the coefficient (and whether it applies) from the end of the previous optimizer step
+            ctx.entropy_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
         if self.aux_loss_enabled:
             loss, metrics, aux_loss = self._call_through_wrapper(
                 model, self._loss_forward_with_router_aux, inputs, ctx
@@ -1368,6 +1407,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             if inputs.get("rl_loss_last_micro_batch", True):
                 self._log_rl_metrics("train", self._rl_step_metrics)
                 self._rl_step_metrics = {}
+                self._end_of_step_entropy_control()
         else:
             self._log_rl_metrics("eval", metrics)
         if self.accelerator.distributed_type != "DEEPSPEED":
@@ -1387,6 +1427,33 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if losses:
             output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         return output
+
+    def _end_of_step_entropy_control(self) -> None:
+        """TRL's entropy bookkeeping at an optimizer step's end: with `use_adaptive_entropy` (Skywork-OR1), move the
+        coefficient by `entropy_coef_delta` towards more bonus when the step's mean entropy over all ranks' tokens is
+        at or below `entropy_target`, less otherwise (clamped to `[entropy_coef_min, entropy_coef_max]`); log
+        `entropy_coef` whenever the bonus is on. The coefficient and the last entropy are TRL's attributes
+        (`entropy_coef`, `_last_world_entropy`), saved in each checkpoint and restored on resume by TRL's own
+        `_save_checkpoint` / `_load_optimizer_and_scheduler` (`entropy_ctrl_state.json`)."""
+        if self.use_adaptive_entropy:
+            # over the tokens the entropy bonus acts on, as TRL: those top_entropy_quantile keeps, else all
+            key = (
+                "train_policy/entropy_kept"
+                if self.rl_loss_config.top_entropy_quantile < 1.0
+                else "train_policy/entropy"
+            )
+            entropies = self._metrics["train"].get(key)
+            if not entropies:
+                raise RuntimeError("use_adaptive_entropy needs the step's entropy: keep rl_loss.compute_entropy=True")
+            world_entropy = entropies[-1]  # reduced over all ranks' tokens by _log_rl_metrics
+            args = self.args
+            if world_entropy <= args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+        if self._entropy_bonus_enabled:
+            self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
         """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL.

@@ -6,8 +6,7 @@ The loss layer replaces TRL's loss, so the TRL options that configured it (`loss
 * without `rl_loss`, they are **mapped** onto an equivalent loss config (see `trl_options_to_rl_loss`);
 * with `rl_loss`, any of them left at a non-default value must agree with `rl_loss`, otherwise construction fails
   with a message naming the `rl_loss` key to use;
-* the TRL loss features the layer has no equivalent for yet (`top_entropy_quantile < 1`, the entropy bonus) are
-  rejected.
+* the TRL loss features the layer has no equivalent for yet are rejected (none at present: `_UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -46,11 +45,7 @@ _TRL_LOSS_TYPES = {
 _SEQUENCE_LEVEL = {"vanilla": "gspo", "cispo": "cispo_seq", "sapo": "sapo_seq", "vespo": "vespo"}
 
 # TRL loss features without an equivalent in the loss layer: option -> (is it in use?, what to do instead)
-_UNSUPPORTED = {
-    "top_entropy_quantile": (lambda v: v < 1.0, "the high-entropy token mask is not supported by the loss layer"),
-    "entropy_coef": (lambda v: v != 0.0, "the entropy bonus is not supported by the loss layer"),
-    "use_adaptive_entropy": (lambda v: bool(v), "the adaptive entropy bonus is not supported by the loss layer"),
-}
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {}
 
 
 def _trl_default(name: str) -> Any:
@@ -86,6 +81,8 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
     | `off_policy_mask_threshold` | `off_policy_mask_threshold` |
     | `beta > 0` | `use_kl_loss=True`, `kl_loss_type="k3"`, `kl_loss_coef=beta` |
     | `use_bias_correction_kl` (with `beta > 0`) | `kl_bias_correction` = `importance_sampling_level` |
+    | `top_entropy_quantile` | `top_entropy_quantile` (per micro-batch over all ranks, as TRL) |
+    | `entropy_coef` | `entropy_coef` (TRL's per-micro-batch mean entropy; `use_adaptive_entropy`: the trainer's) |
 
     The PPO-clip (`vanilla`) mapping sets `clip_ratio_c=None`: TRL's losses have no dual clip.
     """
@@ -150,6 +147,12 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if args.use_bias_correction_kl:
             rl_loss["kl_bias_correction"] = level
             source["kl_bias_correction"] = "use_bias_correction_kl"
+    if args.top_entropy_quantile != 1.0:  # out-of-range values are then refused by the field
+        rl_loss["top_entropy_quantile"] = args.top_entropy_quantile
+        source["top_entropy_quantile"] = "top_entropy_quantile"
+    if args.entropy_coef != 0.0 and not args.use_adaptive_entropy:
+        rl_loss["entropy_coef"] = args.entropy_coef
+        source["entropy_coef"] = "entropy_coef"
     return rl_loss, source
 
 
@@ -369,6 +372,12 @@ class RLLossGRPOConfig(GRPOConfig):
                 f"sp_size={sp} with use_vllm needs vllm_importance_sampling_correction=False: under sequence "
                 "parallelism the old log-probs are computed after the SP group has pooled its completions, too late "
                 "for TRL's correction. Use rl_loss.rollout_is (e.g. {'level': 'token', 'upper': 2.0}) instead"
+            )
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy or self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                f"sp_size={sp} with the entropy bonus or mask (entropy_coef, use_adaptive_entropy, "
+                "top_entropy_quantile): TRL's are per micro-batch over whole sequences, which one sequence-parallel "
+                "shard does not see"
             )
         per_group = self.per_device_train_batch_size * self.steps_per_generation
         if per_group % sp != 0:

@@ -412,8 +412,8 @@ def test_trl_options_mapping(tmp_path, options, expected):
         ({"loss_type": "cispo", "epsilon_high": 0.0}, r"epsilon_high=0.0.*must be > 0"),
         ({"delta": 1.0}, r"delta=1.0 must be > 1"),
         ({"off_policy_mask_threshold": -0.1}, r"off_policy_mask_threshold"),
-        ({"top_entropy_quantile": 0.2}, r"top_entropy_quantile"),
-        ({"entropy_coef": 0.01}, r"entropy bonus"),
+        ({"top_entropy_quantile": 1.5}, r"top_entropy_quantile"),
+        ({"entropy_coef": float("nan")}, r"rl_loss\.entropy_coef"),
         ({"sp_size": 0}, r"sp_size"),
     ],
 )
@@ -452,8 +452,17 @@ def test_bad_trainer_arguments(tok, tmp_path):
             train_dataset=make_dataset(),
             processing_class=tok,
         )
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="softcaps"):
+    model.config.final_logit_softcapping = 30.0  # read into rl_loss.logit_softcapping; a different value is refused
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30.0.*logit_softcapping=20.0: they must match"):
+        RLLossGRPOTrainer(
+            model,
+            reward_length,
+            args=_config(tmp_path, rl_loss={"logit_softcapping": 20.0}),
+            train_dataset=make_dataset(),
+            processing_class=tok,
+        )
+    model.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match="both scales"):
         RLLossGRPOTrainer(
             model, reward_length, args=_config(tmp_path), train_dataset=make_dataset(), processing_class=tok
         )

@@ -287,3 +287,125 @@ def test_vespo_folds_trls_vllm_is_ratio_as_trl(sequence_level):
     trl = (-phi * advantages[:, None] * lp * maskd).sum() / maskd.sum()  # dapo normalization, one micro-batch
     torch.testing.assert_close(ours, trl)
     torch.testing.assert_close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(trl, lp)[0])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 6: final-logit softcapping (a tiny Gemma 2)
+
+
+def _tiny_gemma2(tok, softcap: float):
+    """A tiny Gemma 2 (softcapped final logits and attention, sliding-window layers). The small `softcap` puts the
+    tiny model's logits in the non-linear part of c·tanh(z/c), so that a missing softcap would break parity."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        sliding_window=8,
+        final_logit_softcapping=softcap,
+        attn_implementation="eager",
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    model = Gemma2ForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.mark.parametrize("cast_lm_head_to_fp32", [False, True])
+def test_gemma2_softcapping(tok, tmp_path, cast_lm_head_to_fp32):
+    softcap = 0.2
+    model = _tiny_gemma2(tok, softcap)
+    with torch.no_grad():
+        ids = tok("Q01: add 1+1 =", return_tensors="pt").input_ids
+        raw = model.lm_head(model.model(ids).last_hidden_state)
+    assert float(raw.abs().max()) > 2 * softcap, "the softcap would be nearly linear: the test would be vacuous"
+    trainer, logs, diff = _parity(
+        tok,
+        tmp_path,
+        model=lambda: _tiny_gemma2(tok, softcap),
+        loss_type="dapo",
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+    )
+    assert trainer.rl_loss_config.logit_softcapping == softcap  # read from the model config
+    assert diff < TOLERANCE, diff
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 1: the entropy bonus (static and adaptive), its gradient from the chunked pass
+
+
+def test_entropy_bonus_static(tok, tmp_path):
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", entropy_coef=0.5)
+    assert trainer.rl_loss_config.entropy_coef == 0.5
+    assert diff < TOLERANCE, diff
+    for log in logs:  # the bonus is −coef × the micro-batches' mean entropy: non-trivial, and logged
+        assert log["loss/entropy_bonus"] < -1e-2 and log["entropy_coef"] == 0.5
+
+
+def test_entropy_bonus_adaptive_and_resume(tok, tmp_path):
+    # target above the tiny model's entropy: the coefficient grows by delta each step and applies from step 2
+    options = dict(
+        loss_type="dapo", entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.2
+    )
+    trainer, logs, diff = _parity(tok, tmp_path, save_strategy="steps", save_steps=2, **options)
+    assert diff < TOLERANCE, diff
+    assert [round(log["entropy_coef"], 6) for log in logs] == [0.3, 0.5, 0.7]
+    assert "loss/entropy_bonus" not in logs[0] and logs[1]["loss/entropy_bonus"] < -1e-2
+    assert trainer.entropy_coef == pytest.approx(0.7)
+    # the controller's state is in the checkpoint, and a resumed trainer starts from it
+    import json
+
+    state = json.loads((tmp_path / "ours" / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+    assert state["entropy_coef"] == pytest.approx(0.5)
+    args = RLLossGRPOConfig(
+        output_dir=str(tmp_path / "resumed"),
+        **{**BASE_ARGS, **COMMON, **options, "save_strategy": "steps", "save_steps": 2},
+    )
+    resumed = RLLossGRPOTrainer(
+        make_model(tok), [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok
+    )
+    patch_generation(resumed, tok)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    assert resumed.entropy_coef == pytest.approx(0.7)  # 0.5 restored, + delta at step 3
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Item 2: the high-entropy token mask (top_entropy_quantile), per micro-batch as TRL
+
+
+@pytest.mark.parametrize("bonus", ["none", "static", "adaptive"])
+def test_top_entropy_quantile(tok, tmp_path, bonus):
+    options = {
+        "none": {},
+        "static": dict(entropy_coef=0.5),
+        # the target sits between the kept tokens' entropy and the lower all-token one: the controller moves the
+        # coefficient one way if it measures the kept tokens (as TRL), the other way if it measured all tokens
+        "adaptive": dict(entropy_coef=0.5, use_adaptive_entropy=True, entropy_coef_delta=0.1),
+    }[bonus]
+    if bonus == "adaptive":
+        probe, _, _ = _parity(tok, tmp_path / "probe", loss_type="dapo", top_entropy_quantile=0.3)
+        step = [log for log in probe.state.log_history if "train_policy/entropy_kept" in log][0]
+        kept, everything = step["train_policy/entropy_kept"], step["train_policy/entropy"]
+        assert kept > everything + 1e-4
+        options["entropy_target"] = (kept + everything) / 2
+    trainer, logs, diff = _parity(tok, tmp_path, loss_type="dapo", top_entropy_quantile=0.3, **options)
+    assert trainer.rl_loss_config.top_entropy_quantile == 0.3
+    assert diff < TOLERANCE, diff
+    assert all(0 < log["train_policy/entropy_kept"] for log in logs)
+    if bonus == "adaptive":
+        target, coef = options["entropy_target"], 0.5
+        for log in logs:
+            coef = min(coef + 0.1, 1.0) if log["train_policy/entropy_kept"] <= target else max(coef - 0.1, 0.0)
+            assert log["entropy_coef"] == pytest.approx(coef)
+        kept_side = [log["train_policy/entropy_kept"] > target for log in logs]
+        assert kept_side != [log["train_policy/entropy"] > target for log in logs]  # the two measures disagree
