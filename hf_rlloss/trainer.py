@@ -122,6 +122,13 @@ def _with_model_softcapping(loss_cfg: BaseRLLossConfig, lm: nn.Module) -> BaseRL
     return loss_cfg.model_copy(update={"logit_softcapping": float(softcap)})
 
 
+def _sequences(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(B, P + C)` input ids and attention mask of a batch's left-padded prompts followed by its completions."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask
+
+
 def _logit_scale(text_config: Any) -> float:
     """The factor the model multiplies its logits by before the softmax (1.0 for most models), as TRL reads it."""
     scale = getattr(text_config, "logit_scale", None)
@@ -1104,8 +1111,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
     @torch.no_grad()
     def compute_ref_per_token_logps(self, batch: dict[str, Any]) -> torch.Tensor:
         """Reference log-probs of a generation batch: the ref model, or the policy with its adapter disabled."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        input_ids, attention_mask = _sequences(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
         if self.ref_model is not None:
@@ -1184,8 +1190,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         ):
             # Rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's before the update
             # (on the sampled support: with the mass the replayed truncation keeps, from the same pass).
-            input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            input_ids, attention_mask = _sequences(batch)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
             with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 logps = self.compute_per_token_logps(
@@ -1350,17 +1355,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
             hidden = self._sp_hidden_states(unwrapped, self._sp_pack_batch(inputs))
         else:
-            prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            length = completion_ids.size(1)
+            input_ids, attention_mask = _sequences(inputs)
+            length = inputs["completion_ids"].size(1)
             hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
-        weight = self.get_head_weight(unwrapped)
-        with maybe_gather_lm_head_ctx(weight):
-            hidden, weight, matmul_dtype = self._head_inputs(hidden, weight)
-            return ctx(
-                hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
-            )
+        return self._head_loss(unwrapped, hidden, ctx)
 
     def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         """`_loss_forward` for an MoE policy whose router load-balancing loss is trained (`aux_loss_enabled`).
@@ -1369,22 +1367,24 @@ class RLLossGRPOTrainer(GRPOTrainer):
         `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as the model's forward (and so
         TRL) computes it. Returns the loss layer's `(loss, metrics)` and the micro-batch's aux loss.
         """
-        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        length = completion_ids.size(1)
+        input_ids, attention_mask = _sequences(inputs)
+        length = inputs["completion_ids"].size(1)
         hidden, router_logits = self.compute_hidden_states(
             unwrapped, input_ids, attention_mask, output_router_logits=True
         )
         lm = self._causal_lm(unwrapped)
         aux_loss = _load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+        loss, metrics = self._head_loss(unwrapped, hidden[:, -length - 1 : -1], ctx)
+        return loss, metrics, aux_loss
+
+    def _head_loss(self, unwrapped: nn.Module, hidden: torch.Tensor, ctx: BaseRLLossContext):
+        """The micro-batch's `(loss, metrics)` from hidden states aligned with `ctx`'s labels, through the LM head."""
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
-            hidden, weight, matmul_dtype = self._head_inputs(hidden[:, -length - 1 : -1], weight)
-            loss, metrics = ctx(
+            hidden, weight, matmul_dtype = self._head_inputs(hidden, weight)
+            return ctx(
                 hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
             )
-        return loss, metrics, aux_loss
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
