@@ -147,3 +147,24 @@ def accelerate_launch_machines(config: Path, script: Path | str, *args: str) -> 
         accelerate_launch(config, script, *args, main_process_port=port, machine_rank=rank)
         for rank in range(num_machines)
     ]
+
+
+def launch_once(launch):
+    """`get(name)`: `launch(name)` run once per name and remembered, its failure too.
+
+    Module fixtures share one launch among many parametrized tests. A failed launch re-raises its own error in each
+    of them (not a second launch, nor a `FileExistsError` for the output folder the first attempt created)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            try:
+                cache[name] = launch(name)
+            except BaseException as err:  # pytest's Failed from `run` derives from BaseException
+                cache[name] = err
+                raise
+        if isinstance(cache[name], BaseException):
+            raise cache[name]
+        return cache[name]
+
+    return get

@@ -126,3 +126,15 @@ BASE_ARGS = dict(
 
 def trainable_snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def finish_distributed() -> None:
+    """End a launched worker cleanly: wait for every rank, then destroy the process groups.
+
+    A worker that leaves the interpreter with a live gloo group (e.g. a non-zero rank done while rank 0 still writes
+    its results) can abort in the group's destructor ("terminate called without an active exception", SIGABRT), which
+    fails the launch although training finished. CI hit this once in `test_fsdp2`'s DDP run.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
+    finish_distributed,
     make_dataset,
     make_model,
     make_tokenizer,
@@ -63,6 +64,7 @@ def main() -> None:
         metrics = trainer.evaluate()
         if trainer.accelerator.is_main_process:
             torch.save({"metrics": metrics, "world_size": trainer.accelerator.num_processes}, cli.out)
+        finish_distributed()
         return
     trainer.train()
     if trainer.accelerator.is_main_process:
@@ -77,6 +79,7 @@ def main() -> None:
             },
             cli.out,
         )
+    finish_distributed()
 
 
 if __name__ == "__main__":

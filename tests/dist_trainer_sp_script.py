@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
+    finish_distributed,
     make_tokenizer,
     reward_digit,
     reward_length,
@@ -217,8 +218,7 @@ def main() -> None:
         results["world_size"] = trainer.accelerator.num_processes
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, cli.out)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

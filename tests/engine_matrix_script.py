@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
+    finish_distributed,
     make_dataset,
     make_model,
     make_tokenizer,
@@ -317,7 +318,7 @@ def run_case(cli, tok, case: str) -> dict | None:
     }
 
 
-def main() -> None:
+def main(finish: bool = True) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument(
@@ -347,6 +348,8 @@ def main() -> None:
     results = {case: run_case(cli, tok, case) for case in cli.cases}
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, cli.out)
+    if finish:
+        finish_distributed()
 
 
 if __name__ == "__main__":

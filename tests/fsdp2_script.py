@@ -24,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _cpu_fsdp import enable_cpu_fsdp  # noqa: E402
+from _trainer_utils import finish_distributed  # noqa: E402
 
 enable_cpu_fsdp()
 
@@ -91,15 +92,14 @@ def main() -> None:
     if "--untied" in sys.argv:  # a separate LM head (the engine-matrix model ties it to the embeddings)
         sys.argv.remove("--untied")
         engine_matrix_script.make_model = functools.partial(engine_matrix_script.make_model, tie=False)
-    engine_matrix_script.main()
+    engine_matrix_script.main(finish=False)  # rank 0 still adds the probes below
     if int(os.environ.get("RANK", "0")) == 0:
         out = sys.argv[sys.argv.index("--out") + 1]
         results = torch.load(out, weights_only=False)
         for case, record in results.items():
             record["fsdp2"] = PROBES[case]
         torch.save(results, out)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

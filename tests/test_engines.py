@@ -56,11 +56,8 @@ full_matrix = pytest.mark.skipif(
 def runs(tmp_path_factory):
     """`runs(name)`: the launch's `{case: record}`, launched once per module."""
     root = tmp_path_factory.mktemp("engines")
-    cache: dict[str, dict] = {}
 
-    def get(name: str) -> dict:
-        if name in cache:
-            return cache[name]
+    def launch(name: str) -> dict:
         config_name, processes, args = LAUNCHES[name]
         out_dir = root / name
         out_dir.mkdir()
@@ -80,10 +77,11 @@ def runs(tmp_path_factory):
             results = [_launch.run(_launch.accelerate_launch(config, SCRIPT, *args), TIMEOUT, out_dir)]
         for result in results:
             assert result.returncode == 0, result.stderr[-6000:]
-        cache[name] = torch.load(out, weights_only=False)
-        cache[name]["_dir"] = out_dir
-        return cache[name]
+        record = torch.load(out, weights_only=False)
+        record["_dir"] = out_dir
+        return record
 
+    get = _launch.launch_once(launch)
     return get
 
 

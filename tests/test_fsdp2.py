@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from _launch import ROOT, accelerate_launch, cpu_accelerate_config, run
+from _launch import ROOT, accelerate_launch, cpu_accelerate_config, launch_once, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MATRIX = os.path.join(HERE, "engine_matrix_script.py")
@@ -41,26 +41,25 @@ def runs(tmp_path_factory):
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun not available")
     root = tmp_path_factory.mktemp("fsdp2")
-    cache: dict[str, dict] = {}
     steps = ["--steps", str(STEPS)]
 
-    def get(name: str) -> dict:
-        if name not in cache:
-            out_dir = root / name
-            out_dir.mkdir()
-            if name == "ddp":
-                cache[name] = _launch(out_dir, "ddp", MATRIX, name, "--cases", *CASES, *steps)
-            elif name == "fsdp2":
-                save = ["--save-steps", str(SAVE_STEPS), "--save-dir", str(out_dir / "saved")]
-                cache[name] = _launch(out_dir, "fsdp2", FSDP2, name, "--cases", *CASES, *steps, *save)
-            else:  # resumed from the sp1 checkpoint the fsdp2 run wrote at step SAVE_STEPS
-                checkpoint = root / "fsdp2" / "run" / "sp1" / f"checkpoint-{SAVE_STEPS}"
-                get("fsdp2")
-                resume = ["--resume-from", str(checkpoint)]
-                cache[name] = _launch(out_dir, "fsdp2", FSDP2, name, "--cases", "sp1", *steps, *resume)
-            cache[name]["dir"] = out_dir
-        return cache[name]
+    def launch(name: str) -> dict:
+        out_dir = root / name
+        out_dir.mkdir()
+        if name == "ddp":
+            record = _launch(out_dir, "ddp", MATRIX, name, "--cases", *CASES, *steps)
+        elif name == "fsdp2":
+            save = ["--save-steps", str(SAVE_STEPS), "--save-dir", str(out_dir / "saved")]
+            record = _launch(out_dir, "fsdp2", FSDP2, name, "--cases", *CASES, *steps, *save)
+        else:  # resumed from the sp1 checkpoint the fsdp2 run wrote at step SAVE_STEPS
+            checkpoint = root / "fsdp2" / "run" / "sp1" / f"checkpoint-{SAVE_STEPS}"
+            get("fsdp2")
+            resume = ["--resume-from", str(checkpoint)]
+            record = _launch(out_dir, "fsdp2", FSDP2, name, "--cases", "sp1", *steps, *resume)
+        record["dir"] = out_dir
+        return record
 
+    get = launch_once(launch)
     return get
 
 

@@ -39,3 +39,20 @@ def test_cpu_accelerate_config_keeps_the_sharding(tmp_path):
     assert config["deepspeed_config"] == shipped["deepspeed_config"]
     assert (config["use_cpu"], config["num_processes"], config["mixed_precision"]) == (True, 2, "no")
     assert os.path.dirname(path) == str(tmp_path)
+
+
+def test_launch_once_runs_each_launch_once_and_replays_its_failure():
+    calls = []
+
+    def launch(name):
+        calls.append(name)
+        if name == "bad":
+            raise AssertionError(f"launch {name} failed")
+        return {"name": name}
+
+    get = _launch.launch_once(launch)
+    assert get("good") is get("good") and get("good") == {"name": "good"}
+    for _ in range(2):  # the second test sharing the launch sees the first error, not a relaunch
+        with pytest.raises(AssertionError, match="launch bad failed"):
+            get("bad")
+    assert calls == ["good", "bad"]
