@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.distributed.device_mesh import DeviceMesh
 
+from .fields import DATA_FIELDS
 from .kl import KL_TYPES
 from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, registered_policy_losses
 from .rollout_is import RolloutImportanceSampling
@@ -131,17 +132,7 @@ class PolicyLossConfig(BaseModel):
         return getattr(self, key, default)
 
 
-# Keys that ``build`` reads from ``data``; their SP padding value (None: computed from ``ignore_idx``).
-_PER_TOKEN_FIELDS = {
-    "advantages": 0.0,
-    "old_logprobs": 0.0,
-    "ref_logprobs": 0.0,
-    "rollout_logprobs": 0.0,
-    "rollout_is_weights": 1.0,
-    "old_kept_logmass": 0.0,
-    "rollout_kept_logmass": 0.0,
-}
-DATA_KEYS = ("shifted_labels", "num_tokens", *_PER_TOKEN_FIELDS)
+DATA_KEYS = ("shifted_labels", "num_tokens", *DATA_FIELDS)  # what `build` reads from `data`
 
 
 class BaseRLLossConfig(BaseModel):
@@ -289,7 +280,7 @@ class BaseRLLossConfig(BaseModel):
                 "log-probs of the sampled tokens under the generation engine (vLLM's sampling log-probs, or those "
                 "RLLossGRPOTrainer computes for HF generate), or unset rollout_is.upper for no correction"
             )
-        kwargs = prepare_kwargs(data, self.ignore_idx, _PER_TOKEN_FIELDS, sp_mesh)
+        kwargs = prepare_kwargs(data, self.ignore_idx, sp_mesh)
         ctx = self.loss_ctx_cls(self, kwargs, sp_mesh)
         ctx.micro_batch = micro_batch
         return ctx

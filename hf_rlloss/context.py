@@ -23,25 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from .aggregation import aggregation_weights
 from .chunked_logprobs import chunked_logprobs, chunked_objective
 from .distributed import all_reduce, is_distributed, world_size
+from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, TOKEN_FIELDS
 from .kl import kl_penalty
 from .metrics import VALID_TOKENS, P, accumulate_metrics
 from .rollout_is import compute_rollout_is
 from .sequence_parallel import sp_group, sp_rank, sp_size, sp_split
-
-_PER_TOKEN = (
-    "advantages",
-    "old_logprobs",
-    "ref_logprobs",
-    "rollout_logprobs",
-    "rollout_is_weights",
-    "old_kept_logmass",
-    "rollout_kept_logmass",
-    "seq_ids",
-    "policy_loss_weight",
-    "kl_loss_weight",
-)
-# Fields whose non-finite values at valid tokens are bad input (rollout log-probs are handled by rollout IS).
-_CHECKED_FOR_NONFINITE = ("advantages", "old_logprobs", "ref_logprobs", "rollout_is_weights")
 
 
 class BaseRLLossKwargs(BaseModel):
@@ -86,7 +72,7 @@ class BaseRLLossKwargs(BaseModel):
             raise ValueError(f"shifted_labels must be 2-D (B, T); got shape {tuple(value.shape)}")
         return value
 
-    @field_validator(*_PER_TOKEN)
+    @field_validator(*PER_TOKEN)
     @classmethod
     def _check_shape(cls, value: torch.Tensor | None, info: ValidationInfo) -> torch.Tensor | None:
         labels = info.data.get("shifted_labels")
@@ -119,9 +105,7 @@ def _sequence_ids(labels: torch.Tensor, num_tokens: Any) -> tuple[torch.Tensor, 
     return seq_ids.unsqueeze(0), len(num_tokens)
 
 
-def prepare_kwargs(
-    data: dict[str, Any], ignore_idx: int, padding: dict[str, float], sp_mesh: DeviceMesh | None
-) -> BaseRLLossKwargs:
+def prepare_kwargs(data: dict[str, Any], ignore_idx: int, sp_mesh: DeviceMesh | None) -> BaseRLLossKwargs:
     """Validate the full-length data of one micro-batch, expand per-sequence advantages and split it for SP."""
     labels = data["shifted_labels"]
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
@@ -130,7 +114,7 @@ def prepare_kwargs(
     labels = labels.long()
     seq_ids, num_sequences = _sequence_ids(labels, data.get("num_tokens"))
     fields: dict[str, torch.Tensor] = {}
-    for name in padding:
+    for name in DATA_FIELDS:
         value = data.get(name)
         if value is None:
             continue
@@ -151,7 +135,7 @@ def prepare_kwargs(
     if sp_size(sp_mesh) > 1:
         labels = sp_split(labels, sp_mesh, 1, ignore_idx)
         seq_ids = sp_split(seq_ids, sp_mesh, 1, -1)
-        fields = {name: sp_split(value, sp_mesh, 1, padding[name]) for name, value in fields.items()}
+        fields = {name: sp_split(value, sp_mesh, 1, TOKEN_FIELDS[name].pad) for name, value in fields.items()}
     return BaseRLLossKwargs(shifted_labels=labels, seq_ids=seq_ids, num_sequences=num_sequences, **fields)
 
 
@@ -305,18 +289,7 @@ class BaseRLLossContext:
         """Flat indices of the valid tokens, and every per-token field gathered at them."""
         kw = self.loss_kwargs
         index = self.mask.reshape(-1).nonzero().squeeze(-1)
-        names = (
-            "shifted_labels",
-            "seq_ids",
-            "advantages",
-            "old_logprobs",
-            "ref_logprobs",
-            "rollout_logprobs",
-            "rollout_is_weights",
-            "policy_loss_weight",
-            "kl_loss_weight",
-        )
-        tokens = {n: None if getattr(kw, n) is None else getattr(kw, n).reshape(-1)[index] for n in names}
+        tokens = {n: None if getattr(kw, n) is None else getattr(kw, n).reshape(-1)[index] for n in LOSS_FIELDS}
         return index, tokens
 
     def __call__(
@@ -626,7 +599,7 @@ class GRPOLossContext(BaseRLLossContext):
         kw = self.loss_kwargs
         mask = self.mask
         bad = torch.zeros_like(mask)
-        for name in _CHECKED_FOR_NONFINITE:
+        for name in CHECKED_FOR_NONFINITE:
             value = getattr(kw, name)
             if value is None:
                 continue

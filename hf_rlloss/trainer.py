@@ -52,6 +52,7 @@ from trl.trainer.utils import (
 from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
+from .fields import FROM_TRL, pad_value
 from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
 from .sequence_parallel import (
@@ -1252,14 +1253,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         labels = inputs["completion_ids"].masked_fill(mask == 0, self.rl_loss_config.ignore_idx)
         data: dict[str, Any] = {"shifted_labels": labels, "advantages": inputs["advantages"]}
-        optional = {
-            "old_per_token_logps": "old_logprobs",
-            "ref_per_token_logps": "ref_logprobs",
-            "sampling_per_token_logps": "rollout_logprobs",
-            "old_kept_logmass": "old_kept_logmass",
-            "rollout_kept_logmass": "rollout_kept_logmass",
-        }
-        for key, name in optional.items():
+        for key, name in FROM_TRL.items():
             if inputs.get(key) is not None:
                 data[name] = inputs[key]
         ratio = inputs.get("importance_sampling_ratio")
@@ -1294,8 +1288,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         out = {}
         for key, value in data.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-                padding = self.rl_loss_config.ignore_idx if key == "shifted_labels" else 0.0
-                value = packed.pack(value, 1.0 if key == "rollout_is_weights" else padding)
+                value = packed.pack(value, pad_value(key, self.rl_loss_config.ignore_idx))
             elif isinstance(value, torch.Tensor) and value.dim() > 1:
                 raise ValueError(
                     f"sequence parallelism: loss data {key!r} has shape {tuple(value.shape)}; expected the "
