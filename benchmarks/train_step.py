@@ -47,7 +47,7 @@ def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
-    from hf_rlloss.assets import SMOLLM2, TINY, resolve_model
+    from hf_rlloss.recipe_support.assets import SMOLLM2, TINY, resolve_model
 
     kind, rl_loss, extra = VARIANTS[name]
     path = resolve_model({"tiny": TINY, "smollm2": SMOLLM2}[model_name])
@@ -112,8 +112,8 @@ def _run_demo_variant(name: str, config: str, steps: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_rlloss import RLLossGRPOTrainer
-    from hf_rlloss.assets import resolve_model
-    from hf_rlloss.rewards import get_reward_funcs
+    from hf_rlloss.recipe_support.assets import resolve_model
+    from hf_rlloss.recipe_support.rewards import get_reward_funcs
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(root, "recipes", "grpo.py"))

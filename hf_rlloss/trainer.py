@@ -53,8 +53,8 @@ from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
 from .fields import FROM_TRL, pad_value
-from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
+from .recipe_support.hub import complete_model_card
 from .sequence_parallel import (
     build_sp_mesh,
     register_ulysses_attention,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_rlloss.callbacks import CURVES, SMOOTHED, moving_average, plot_curves
+from hf_rlloss.recipe_support.callbacks import CURVES, SMOOTHED, moving_average, plot_curves
 
 
 def test_moving_average_is_trailing():

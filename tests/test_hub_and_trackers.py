@@ -19,9 +19,9 @@ from _trainer_utils import BASE_ARGS, make_dataset, make_model, make_tokenizer, 
 from huggingface_hub import HfApi, ModelCard
 
 from hf_rlloss import GRPOLossConfig, RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.assets import SMOLLM2, TINY, hub_origin
-from hf_rlloss.callbacks import RunSummaryCallback
-from hf_rlloss.hub import complete_model_card, is_hub_repo_id, loss_config_from_card
+from hf_rlloss.recipe_support.assets import SMOLLM2, TINY, hub_origin
+from hf_rlloss.recipe_support.callbacks import RunSummaryCallback
+from hf_rlloss.recipe_support.hub import complete_model_card, is_hub_repo_id, loss_config_from_card
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes/tiny/arithmetic/config_smoke.yaml"
