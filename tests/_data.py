@@ -1,10 +1,12 @@
-"""Shared test data: one optimizer step of random sequences, and a runner that splits it into micro-batches."""
+"""Shared test data: one optimizer step of random sequences, a runner that splits it into micro-batches, and the
+comparison of a multi-process run of it with one process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from hf_rlloss import GRPOLossContext, accumulate_metrics
+from hf_rlloss import GRPOLossContext, accumulate_metrics, finalize_train_policy_metrics
 
 IGNORE = -100
 
@@ -67,3 +69,28 @@ def run_step(cfg, step, micro_batches, path="logprobs", build_kwargs=None):
 def split(rows: list[int], parts: int) -> list[list[int]]:
     size = len(rows) // parts
     return [rows[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def averaged_over_ranks(loss, grad_w, metrics):
+    """In a worker: what data parallelism reports for this rank's (loss, ∂/∂W, metrics) of a step: the loss and the
+    gradient averaged over the ranks (as DDP/FSDP average gradients), the metrics finalized over all ranks."""
+    world_size = torch.distributed.get_world_size()
+    loss, grad_w = loss.detach().clone(), grad_w.clone()
+    torch.distributed.all_reduce(loss)
+    torch.distributed.all_reduce(grad_w)
+    return loss / world_size, grad_w / world_size, finalize_train_policy_metrics(metrics)
+
+
+def assert_equals_one_process(result, cfg, step, path, metrics_abs=1e-6, label=()):
+    """`result` = `averaged_over_ranks(...)` of a multi-process run equals the whole `step` as one micro-batch in
+    one process: loss and ∂/∂W within 1e-6, the same metric keys, each metric within `metrics_abs` (`label` names
+    the case in a failure). Returns the reference metrics."""
+    loss, grad_w, metrics = result
+    ref_loss, _, ref_grad_w, ref_metrics = run_step(cfg, step, [list(range(step["labels"].shape[0]))], path)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad_w, ref_grad_w, atol=1e-6, rtol=0)
+    ref_metrics = finalize_train_policy_metrics(ref_metrics)
+    assert metrics.keys() == ref_metrics.keys()
+    for key in ref_metrics:
+        assert metrics[key] == pytest.approx(ref_metrics[key], abs=metrics_abs), (*label, key)
+    return ref_metrics

@@ -1,9 +1,11 @@
-"""Offline building blocks for trainer tests: a byte tokenizer, a tiny random Qwen2, prompts, rewards, and fixed
-completions (deterministic, a function of the prompt only, so runs with different process counts see the same data).
+"""Offline building blocks for trainer tests: a byte tokenizer, tiny random models, prompts, rewards, fixed
+completions (deterministic, a function of the prompt only, so runs with different process counts see the same data),
+a train-and-snapshot runner and the comparison of a run with stock TRL's.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 
@@ -39,26 +41,55 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model(tokenizer, seed: int = 0, hidden_size: int = 32, tie: bool = True, layers: int = 2) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
+def special_token_ids(tokenizer) -> dict[str, int]:
+    return dict(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
+
+
+def tiny_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, **overrides):
+    """The config keywords every tiny test model shares (Qwen2, Qwen3-MoE, GPT-OSS, Gemma 2): the tokenizer's
+    vocabulary and special tokens, 2 layers, 4 query heads over 2 key/value heads, 128 positions."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
+        **special_token_ids(tokenizer),
+        **overrides,
+    )
+
+
+def with_generation_ids(model, tokenizer):
+    """`model` with the tokenizer's special tokens in its generation config (TRL passes its own to `generate`)."""
+    for key, value in special_token_ids(tokenizer).items():
+        setattr(model.generation_config, key, value)
+    return model
+
+
+def make_model(
+    tokenizer,
+    seed: int = 0,
+    hidden_size: int = 32,
+    tie: bool = True,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    attn: str | None = None,
+) -> Qwen2ForCausalLM:
+    """A tiny random Qwen2 (`attn`: an attention implementation to set, e.g. ``"sdpa"``; else transformers')."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        intermediate_size=2 * hidden_size,
         tie_word_embeddings=tie,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        **tiny_config(tokenizer, hidden_size, layers, heads, kv_heads),
     )
     model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return with_generation_ids(model, tokenizer)
 
 
 def make_dataset(n: int = 16) -> Dataset:
@@ -103,6 +134,15 @@ class FixedCompletions:
         return completions, None
 
 
+class FixedWithLogprobs(FixedCompletions):
+    """Fixed completions plus deterministic "rollout engine" log-probs near the tiny model's (about log 1/259)."""
+
+    def __call__(self, *args, **kwargs):
+        completions, _ = super().__call__(*args, **kwargs)
+        logprobs = [[-5.56 + 0.25 * math.sin(t + 3 * j) for j, t in enumerate(c)] for c in completions]
+        return completions, logprobs
+
+
 def patch_generation(trainer, tokenizer) -> None:
     trainer._generate_single_turn = FixedCompletions(tokenizer, trainer.max_completion_length)
 
@@ -126,6 +166,51 @@ BASE_ARGS = dict(
 
 def trainable_snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def train_fixed(tok, args, model=None, trainer_cls=None, resume_from_checkpoint: str | None = None, **kwargs):
+    """Train `trainer_cls` (default `RLLossGRPOTrainer`; stock TRL's `GRPOTrainer` for parity) on `make_dataset()`
+    with the two rewards and fixed completions; `model` defaults to `make_model(tok)`, `kwargs` go to the trainer.
+    Returns the trainer and its trainable parameters before and after training."""
+    if trainer_cls is None:
+        from hf_rlloss.trainer import RLLossGRPOTrainer as trainer_cls
+    model = make_model(tok) if model is None else model
+    trainer = trainer_cls(
+        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok, **kwargs
+    )
+    patch_generation(trainer, tok)
+    before = trainable_snapshot(trainer.model)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return trainer, before, trainable_snapshot(trainer.model)
+
+
+def compare_with_trl(tok, tmp_path, options: dict, model=None, trainer_kwargs: dict | None = None):
+    """Train stock TRL's `GRPOTrainer` (`GRPOConfig`) and `RLLossGRPOTrainer` (`RLLossGRPOConfig`) with the same TRL
+    `options` (on top of `BASE_ARGS`; `max_steps` required), model and completions. `model` makes a fresh model (or
+    returns a path) for each run, default `make_model(tok)`. Checks that both start from the same parameters, that
+    TRL's moved them (else the comparison is vacuous) and that our logged `loss` is the step's `loss/total`; returns
+    our trainer, its step logs and the largest parameter difference between the two runs."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_rlloss.trainer import RLLossGRPOConfig
+
+    options = {**BASE_ARGS, **options}
+    model = model or (lambda: make_model(tok))
+    trainer_kwargs = trainer_kwargs or {}
+    stock = GRPOConfig(output_dir=str(tmp_path / "trl"), **options)
+    ours = RLLossGRPOConfig(output_dir=str(tmp_path / "ours"), **options)
+    _, before, trl_after = train_fixed(tok, stock, model(), GRPOTrainer, **trainer_kwargs)
+    trainer, our_before, our_after = train_fixed(tok, ours, model(), **trainer_kwargs)
+    assert trl_after.keys() == our_after.keys() == before.keys()
+    assert all(torch.equal(before[k], our_before[k]) for k in before), "the two runs must start from the same model"
+    moved = max((trl_after[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
+    diff = max((trl_after[k] - our_after[k]).abs().max().item() for k in before)
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == options["max_steps"]
+    for log in logs:  # the Trainer's loss is the step's loss, in every layout
+        assert abs(log["loss"] - log["loss/total"]) < 1e-5
+    return trainer, logs, diff
 
 
 def finish_distributed() -> None:

@@ -8,7 +8,6 @@ parameters. `--check-errors` also records the errors of bad constructions (needs
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -18,14 +17,16 @@ import torch  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
+    FixedWithLogprobs,
     finish_distributed,
     make_tokenizer,
     reward_digit,
     reward_length,
     trainable_snapshot,
 )
+from _trainer_utils import make_model as tiny_qwen2  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
 
@@ -57,39 +58,12 @@ PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_po
 
 def make_model(tokenizer, heads: int = 4, kv_heads: int = 1, hidden_size: int = 32) -> Qwen2ForCausalLM:
     """A tiny Qwen2 with grouped-query attention (fewer key/value heads than SP ranks: they are replicated)."""
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.set_attn_implementation("sdpa")
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return tiny_qwen2(tokenizer, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, attn="sdpa")
 
 
 def make_dataset(n: int = 16) -> Dataset:
     """Prompts of 13 or 14 tokens: batches have left padding, packed rows have odd and even lengths."""
     return Dataset.from_dict({"prompt": [f"Q{i}: add {i % 7}+{i % 5} =" for i in range(n)]})
-
-
-class FixedWithLogprobs(FixedCompletions):
-    """Fixed completions plus deterministic "rollout engine" log-probs near the tiny model's (about log 1/259)."""
-
-    def __call__(self, *args, **kwargs):
-        completions, _ = super().__call__(*args, **kwargs)
-        logprobs = [[-5.56 + 0.25 * math.sin(t + 3 * j) for j, t in enumerate(c)] for c in completions]
-        return completions, logprobs
 
 
 class RecordingTrainer(RLLossGRPOTrainer):

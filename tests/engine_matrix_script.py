@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import resource
 import sys
@@ -47,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
-    FixedCompletions,
+    FixedWithLogprobs,
     finish_distributed,
     make_dataset,
     make_model,
@@ -80,15 +79,6 @@ RL_LOSS = {
     "kl_loss_coef": 0.1,
     "rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0},
 }
-
-
-class FixedWithLogprobs(FixedCompletions):
-    """Fixed completions plus deterministic "rollout engine" log-probs near the tiny model's (about log 1/259)."""
-
-    def __call__(self, *args, **kwargs):
-        completions, _ = super().__call__(*args, **kwargs)
-        logprobs = [[-5.56 + 0.25 * math.sin(t + 3 * j) for j, t in enumerate(c)] for c in completions]
-        return completions, logprobs
 
 
 def _zero3_model(plain: torch.nn.Module) -> torch.nn.Module:

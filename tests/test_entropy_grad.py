@@ -4,6 +4,7 @@ autograd through full logits in float64 (with and without softcapping), and fini
 
 import pytest
 import torch
+from _chunked import assert_directional_derivatives, assert_matches_full_logits, random_head_problem
 
 from hf_rlloss import chunked_objective
 
@@ -11,16 +12,20 @@ TEMP = 0.7
 
 
 def _problem(tokens=19, vocab=40, hidden=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64) * 2
-    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    h, w, labels, g = random_head_problem(tokens, vocab, hidden, seed)
     a, b = torch.randn(tokens, generator=g, dtype=torch.float64), torch.randn(tokens, generator=g, dtype=torch.float64)
 
     def objective(lp, sl, entropy):  # non-linear in both, coupled: a policy term and an entropy bonus
         return (a[sl] * lp + b[sl] * entropy + 0.2 * entropy.square() + 0.1 * lp * entropy).sum(), {}
 
     return h, w, labels, objective
+
+
+def _with_entropy_grad(h, w, labels, objective, **kwargs):
+    """The chunked objective's value with the entropy and its gradient, at temperature `TEMP`."""
+    return chunked_objective(
+        h, w, labels, objective, temperature=TEMP, with_entropy=True, entropy_grad=True, **kwargs
+    )[0]
 
 
 def _naive(h, w, labels, objective, softcap):
@@ -37,47 +42,22 @@ def test_entropy_gradient_matches_full_logits_float64(softcap):
     h, w, labels, objective = _problem()
 
     def via_chunks(h, w):
-        return chunked_objective(
-            h,
-            w,
-            labels,
-            objective,
-            temperature=TEMP,
-            chunk_size=5,
-            with_entropy=True,
-            entropy_grad=True,
-            softcap=softcap,
-        )[0]
+        return _with_entropy_grad(h, w, labels, objective, chunk_size=5, softcap=softcap)
 
-    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    value = via_chunks(hh, ww)
-    grads = torch.autograd.grad(value, (hh, ww))
-    naive = _naive(hh, ww, labels, objective, softcap)
-    torch.testing.assert_close(value, naive, atol=1e-12, rtol=1e-12)
-    for got, want in zip(grads, torch.autograd.grad(naive, (hh, ww))):
-        torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-10)
+    grads = assert_matches_full_logits(via_chunks, lambda h, w: _naive(h, w, labels, objective, softcap), h, w)
     # without entropy_grad the entropy is a constant: the gradient differs (the test is not vacuous)
     hh2 = h.clone().requires_grad_(True)
     frozen = chunked_objective(
         hh2, w, labels, objective, temperature=TEMP, chunk_size=5, with_entropy=True, softcap=softcap
     )[0]
     assert float((torch.autograd.grad(frozen, hh2)[0] - grads[0]).abs().max()) > 1e-3
-    for seed in range(3):
-        g = torch.Generator().manual_seed(100 + seed)
-        dh, dw = torch.randn(h.shape, generator=g, dtype=h.dtype), torch.randn(w.shape, generator=g, dtype=w.dtype)
-        eps = 1e-6
-        with torch.no_grad():
-            numeric = (via_chunks(h + eps * dh, w + eps * dw) - via_chunks(h - eps * dh, w - eps * dw)) / (2 * eps)
-        analytic = (grads[0] * dh).sum() + (grads[1] * dw).sum()
-        torch.testing.assert_close(numeric, analytic, atol=1e-6, rtol=1e-6)
+    assert_directional_derivatives(via_chunks, h, w, grads, atol=1e-6)
 
 
 def test_entropy_only_objective_and_bad_flag():
     h, w, labels, _ = _problem(tokens=7)
     hh = h.clone().requires_grad_(True)
-    value = chunked_objective(
-        hh, w, labels, lambda lp, sl, e: (e.sum(), {}), temperature=TEMP, with_entropy=True, entropy_grad=True
-    )[0]
+    value = _with_entropy_grad(hh, w, labels, lambda lp, sl, e: (e.sum(), {}))
     naive = _naive(hh, w, labels, lambda lp, sl, e: (e.sum(), {}), None)
     torch.testing.assert_close(torch.autograd.grad(value, hh)[0], torch.autograd.grad(naive, hh)[0])
     with pytest.raises(ValueError, match="with_entropy=True"):
@@ -90,17 +70,7 @@ def test_half_path_entropy_gradient_close_to_float64():
     runs = []
     for dtype in (torch.bfloat16, torch.float64):
         hh, ww = h.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
-        value = chunked_objective(
-            hh,
-            ww,
-            labels,
-            objective,
-            temperature=TEMP,
-            chunk_size=24,
-            with_entropy=True,
-            entropy_grad=True,
-            compile_epilogue=False,
-        )[0]
+        value = _with_entropy_grad(hh, ww, labels, objective, chunk_size=24, compile_epilogue=False)
         value.backward()
         runs.append((value.double(), hh.grad.double(), ww.grad.double()))
     (v16, gh16, gw16), (v64, gh64, gw64) = runs

@@ -4,11 +4,11 @@ import time
 
 import pytest
 import torch
-from _data import IGNORE, make_step, run_step
+from _data import IGNORE, assert_equals_one_process, averaged_over_ranks, make_step, run_step
 from _dist import run_distributed
 from torch.multiprocessing import ProcessRaisedException
 
-from hf_rlloss import GRPOLossConfig, finalize_train_policy_metrics
+from hf_rlloss import GRPOLossConfig
 
 
 def _config():
@@ -32,9 +32,7 @@ def _empty_rank_worker(rank, world_size, out_dir):
     results = {}
     for path in ("logprobs", "hidden"):
         loss, _, grad_w, metrics = run_step(_config(), step, [rows[:2], rows[2:]], path)
-        torch.distributed.all_reduce(loss)
-        torch.distributed.all_reduce(grad_w)
-        results[path] = (loss / world_size, grad_w / world_size, finalize_train_policy_metrics(metrics))
+        results[path] = averaged_over_ranks(loss, grad_w, metrics)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -43,11 +41,16 @@ def test_rank_without_valid_tokens_joins_every_collective_and_contributes_zero(t
     run_distributed(_empty_rank_worker, 2, str(tmp_path), timeout=120)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for path, (loss, grad_w, metrics) in results.items():
-            ref_loss, _, ref_grad_w, ref_metrics = run_step(_config(), _step_with_empty_half(), [list(range(8))], path)
-            torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=0)
-            torch.testing.assert_close(grad_w, ref_grad_w, atol=1e-6, rtol=0)
-            assert metrics == pytest.approx(finalize_train_policy_metrics(ref_metrics), abs=1e-6)
+        for path, result in results.items():
+            assert_equals_one_process(result, _config(), _step_with_empty_half(), path)
+
+
+def _fails_within(seconds, worker, error, match, timeout):
+    """`run_distributed(worker, 2, timeout=timeout)` raises `error` (matching `match`) in less than `seconds`."""
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        run_distributed(worker, 2, timeout=timeout)
+    assert time.monotonic() - start < seconds
 
 
 def _raising_worker(rank, world_size):
@@ -58,11 +61,8 @@ def _raising_worker(rank, world_size):
 
 @pytest.mark.distributed
 def test_a_raising_rank_fails_the_test_instead_of_hanging():
-    start = time.monotonic()
     # whichever rank reports first (rank 1's own error, or rank 0's barrier failing on the dead peer), it fails
-    with pytest.raises(ProcessRaisedException, match="injected failure on rank 1|barrier"):
-        run_distributed(_raising_worker, 2, timeout=60)
-    assert time.monotonic() - start < 60
+    _fails_within(60, _raising_worker, ProcessRaisedException, "injected failure on rank 1|barrier", timeout=60)
 
 
 def _hanging_worker(rank, world_size):
@@ -74,7 +74,4 @@ def _hanging_worker(rank, world_size):
 
 @pytest.mark.distributed
 def test_a_hang_is_killed_at_the_timeout():
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not finish within 15 s"):
-        run_distributed(_hanging_worker, 2, timeout=15)
-    assert time.monotonic() - start < 40
+    _fails_within(40, _hanging_worker, TimeoutError, "did not finish within 15 s", timeout=15)

@@ -4,6 +4,7 @@ item 6). Parity with stock TRL on a tiny Gemma 2: tests/test_trl_parity.py::test
 
 import pytest
 import torch
+from _chunked import assert_directional_derivatives, assert_matches_full_logits, random_head_problem
 from pydantic import ValidationError
 
 from hf_rlloss import GRPOLossConfig, chunked_kept_logmass, chunked_logprobs, chunked_objective
@@ -12,11 +13,8 @@ CAP, TEMP = 5.0, 0.7
 
 
 def _problem(tokens=23, vocab=40, hidden=6, seed=0, scale=2.0):
-    g = torch.Generator().manual_seed(seed)
     # logits of std ≈ 5·scale: tanh(z/c) is far from linear, so a missing 1 − t² factor would show
-    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64) * scale
-    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    h, w, labels, g = random_head_problem(tokens, vocab, hidden, seed, scale)
     coef = torch.randn(tokens, generator=g, dtype=torch.float64)
 
     def objective(lp, sl, entropy):
@@ -67,23 +65,10 @@ def test_objective_and_gradients_match_full_logits_float64(compile_epilogue):
             h, w, labels, objective, temperature=TEMP, chunk_size=5, softcap=CAP, compile_epilogue=compile_epilogue
         )[0]
 
-    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    value = via_chunks(hh, ww)
-    grads = torch.autograd.grad(value, (hh, ww))
-    naive = _naive_objective(hh, ww, labels, objective)
-    torch.testing.assert_close(value, naive, atol=1e-12, rtol=1e-12)
-    for got, want in zip(grads, torch.autograd.grad(naive, (hh, ww))):
-        torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-10)
+    grads = assert_matches_full_logits(via_chunks, lambda h, w: _naive_objective(h, w, labels, objective), h, w)
     if compile_epilogue:
         return
-    for seed in range(3):
-        g = torch.Generator().manual_seed(100 + seed)
-        dh, dw = torch.randn(h.shape, generator=g, dtype=h.dtype), torch.randn(w.shape, generator=g, dtype=w.dtype)
-        eps = 1e-6
-        with torch.no_grad():
-            numeric = (via_chunks(h + eps * dh, w + eps * dw) - via_chunks(h - eps * dh, w - eps * dw)) / (2 * eps)
-        analytic = (grads[0] * dh).sum() + (grads[1] * dw).sum()
-        torch.testing.assert_close(numeric, analytic, atol=1e-6, rtol=1e-6)
+    assert_directional_derivatives(via_chunks, h, w, grads, atol=1e-6)
 
 
 def test_half_path_matches_float64():

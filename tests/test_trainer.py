@@ -12,15 +12,16 @@ import torch
 from _trainer_utils import (
     BASE_ARGS,
     FixedCompletions,
+    compare_with_trl,
     make_dataset,
     make_model,
     make_tokenizer,
     patch_generation,
-    reward_digit,
     reward_length,
+    train_fixed,
     trainable_snapshot,
 )
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.trainer_config import CISPO_NO_LOWER_BOUND, trl_options_to_rl_loss
@@ -36,17 +37,6 @@ def tok():
 
 def _config(tmp_path, **overrides) -> RLLossGRPOConfig:
     return RLLossGRPOConfig(output_dir=str(tmp_path / "out"), **{**BASE_ARGS, **overrides})
-
-
-def _train(tok, args, model=None, trainer_cls=RLLossGRPOTrainer, **kwargs):
-    model = make_model(tok) if model is None else model
-    trainer = trainer_cls(
-        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok, **kwargs
-    )
-    patch_generation(trainer, tok)
-    before = trainable_snapshot(trainer.model)
-    trainer.train()
-    return trainer, before, trainable_snapshot(trainer.model)
 
 
 def _step_logs(trainer) -> list[dict]:
@@ -90,7 +80,7 @@ def test_train_policy_losses(tok, tmp_path, loss_type):
         num_iterations=2,
         rl_loss={"policy_loss_cfg": {"loss_type": loss_type}},
     )
-    trainer, before, after = _train(tok, args)
+    trainer, before, after = train_fixed(tok, args)
     _assert_trained(trainer, before, after)
     second = _step_logs(trainer)[1]
     assert second["train_policy/ratio_abs_dev_mean"] > 0  # the policy moved since the old log-probs
@@ -118,7 +108,7 @@ def test_train_kl(tok, tmp_path, kl_type, reference):
             model.save_pretrained(ref_dir)
             kwargs["ref_model"] = str(ref_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer, before, after = _train(tok, args, model=model, **kwargs)
+    trainer, before, after = train_fixed(tok, args, model=model, **kwargs)
     _assert_trained(trainer, before, after, extra_keys=("loss/kl", "train_policy/ref_kl"))
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model
     ref_state = trainer.ref_model.state_dict()
@@ -132,7 +122,7 @@ def test_on_policy_first_iteration(tok, tmp_path):
     # GA=2, steps_per_generation=2, num_iterations=2: TRL's condition for old log-probs holds, so they are computed
     # after generation with the same chunked path as the loss; the first iteration is exactly on-policy.
     args = _config(tmp_path, max_steps=2, gradient_accumulation_steps=2, num_iterations=2)
-    trainer, _, _ = _train(tok, args)
+    trainer, _, _ = train_fixed(tok, args)
     first, second = _step_logs(trainer)
     assert first["train_policy/ratio_abs_dev_mean"] < 1e-5
     assert abs(first["train_policy/ratio_max"] - 1) < 1e-5 and abs(first["train_policy/ratio_min"] - 1) < 1e-5
@@ -149,44 +139,45 @@ def test_parity_with_trl_dapo(tok, tmp_path):
     steps_per_generation == gradient_accumulation_steps and on-policy data this equals the step's global token mean,
     i.e. rl_loss token-mean vanilla with the same clip ranges. SGD keeps float round-off from being amplified."""
     common = dict(max_steps=3, gradient_accumulation_steps=2, optim="sgd", learning_rate=0.05, epsilon_high=0.28)
-    stock = GRPOConfig(output_dir=str(tmp_path / "trl"), **{**BASE_ARGS, **common}, loss_type="dapo")
-    ours = _config(tmp_path, **common, loss_type="dapo")
-    assert ours.rl_loss_config.agg_mode == "token-mean" and ours.rl_loss_config.policy_loss_cfg.cliprange_high == 0.28
-    _, before, trl_after = _train(tok, stock, trainer_cls=GRPOTrainer)
-    trainer, _, our_after = _train(tok, ours)
-    moved = max((trl_after[k] - before[k]).abs().max().item() for k in before)
-    diff = max((trl_after[k] - our_after[k]).abs().max().item() for k in before)
-    assert moved > 1e-3
+    trainer, logs, diff = compare_with_trl(tok, tmp_path, {**common, "loss_type": "dapo"})
+    cfg = trainer.rl_loss_config
+    assert cfg.agg_mode == "token-mean" and cfg.policy_loss_cfg.cliprange_high == 0.28
     assert diff < 1e-5, diff
     # Same loss too (TRL's dapo logs the same global token mean).
-    assert len(_step_logs(trainer)) == 3
+    assert len(logs) == 3
 
 
 def test_gradient_accumulation_invariance(tok, tmp_path):
     """One micro-batch of 8 or two of 4: same global token mean, same update."""
     common = dict(max_steps=2, optim="sgd", learning_rate=0.05)
-    _, _, one = _train(tok, _config(tmp_path, **common, per_device_train_batch_size=8, gradient_accumulation_steps=1))
-    _, _, two = _train(tok, _config(tmp_path, **common, per_device_train_batch_size=4, gradient_accumulation_steps=2))
+    layouts = [
+        dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),
+        dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+    ]
+    one, two = (train_fixed(tok, _config(tmp_path, **common, **layout))[2] for layout in layouts)
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+
+
+def _on_one_and_two_processes(tmp_path, batch_sizes: tuple[int, int], *script_args: str) -> tuple[dict, dict]:
+    """`dist_trainer_script.py` run with 1 process and with 2 (per-device batches `batch_sizes`); what each saved."""
+    script = os.path.join(HERE, "dist_trainer_script.py")
+    results = []
+    for nproc, batch_size in zip((1, 2), batch_sizes):
+        out = tmp_path / f"{nproc}proc.pt"
+        cmd = [*_launch.torchrun(nproc), script, "--per-device-batch-size", str(batch_size), *script_args]
+        result = _launch.run([*cmd, "--out", str(out)], timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        results.append(torch.load(out))
+    return results[0], results[1]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     """2 ranks × 2 sequences × GA 2 == 1 rank × 4 sequences × GA 2, off-policy second step (num_iterations=2)."""
-    script = os.path.join(HERE, "dist_trainer_script.py")
-    common = ["--steps", "2", "--grad-accum", "2", "--num-iterations", "2"]
-    runs = {
-        "one": [*_launch.torchrun(1), script, "--per-device-batch-size", "4"],
-        "two": [*_launch.torchrun(2), script, "--per-device-batch-size", "2"],
-    }
-    results = {}
-    for name, cmd in runs.items():
-        out = tmp_path / f"{name}.pt"
-        result = _launch.run([*cmd, *common, "--out", str(out)], timeout=300, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-4000:]
-        results[name] = torch.load(out)
-    one, two = results["one"], results["two"]
+    one, two = _on_one_and_two_processes(
+        tmp_path, (4, 2), "--steps", "2", "--grad-accum", "2", "--num-iterations", "2"
+    )
     assert one["world_size"] == 1 and two["world_size"] == 2
     diff = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
     assert diff < 1e-5, diff
@@ -211,7 +202,7 @@ def test_peft_lora_with_kl_and_gradient_checkpointing(tok, tmp_path):
         rl_loss={"use_kl_loss": True, "kl_loss_type": "k3", "kl_loss_coef": 0.1},
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    trainer, before, after = _train(tok, args, peft_config=lora)
+    trainer, before, after = train_fixed(tok, args, peft_config=lora)
     assert trainer.ref_model is None  # the reference is the base model, adapter disabled
     assert before and all("lora_" in name for name in before)
     _assert_trained(trainer, before, after, extra_keys=("train_policy/ref_kl",))
@@ -289,7 +280,7 @@ def test_subclass_build_loss_data(tok, tmp_path):
             return data
 
     args = _config(tmp_path, max_steps=1, optim="sgd", rl_loss={"policy_loss_cfg": {"loss_type": "gpg"}})
-    _, before, after = _train(tok, args, trainer_cls=ZeroAdvantageTrainer)
+    _, before, after = train_fixed(tok, args, trainer_cls=ZeroAdvantageTrainer)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -614,7 +605,7 @@ def test_head_gemm_dtype_follows_the_mixed_precision(tok, tmp_path, monkeypatch,
         rl_loss=rl_loss,
         optim="sgd",
     )
-    trainer, before, after = _train(tok, args, ref_model=make_model(tok, seed=1))
+    trainer, before, after = train_fixed(tok, args, ref_model=make_model(tok, seed=1))
     assert set(seen) == {(expected, expected)}, seen
     # old + reference passes of the generation batch, then the loss of the micro-batch
     assert len(seen) >= 3
@@ -683,18 +674,7 @@ def test_eval_loss_on_two_processes_is_the_global_loss(tmp_path):
     length (rank 1's share of it on 2 ranks; half of it on one), so eval_loss was a skewed mean. Now it is the mean
     over the batches of each batch's loss over all ranks, which the loss layer also reports as `eval_loss/total`.
     """
-    script = os.path.join(HERE, "dist_trainer_script.py")
-    runs = {
-        "one": [*_launch.torchrun(1), script, "--per-device-batch-size", "16"],
-        "two": [*_launch.torchrun(2), script, "--per-device-batch-size", "8"],
-    }
-    metrics = {}
-    for name, cmd in runs.items():
-        out = tmp_path / f"{name}.pt"
-        result = _launch.run([*cmd, "--eval-only", "--out", str(out)], timeout=300, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-4000:]
-        metrics[name] = torch.load(out)["metrics"]
-    one, two = metrics["one"], metrics["two"]
+    one, two = (run["metrics"] for run in _on_one_and_two_processes(tmp_path, (16, 8), "--eval-only"))
     assert one["eval_train_policy/valid_tokens"] == two["eval_train_policy/valid_tokens"]  # the same batches
     assert one["eval_loss"] != 0.0
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-6)

@@ -16,15 +16,14 @@ import pytest
 import torch
 from _trainer_utils import (
     BASE_ARGS,
-    make_dataset,
+    compare_with_trl,
     make_model,
     make_tokenizer,
-    patch_generation,
-    reward_digit,
-    reward_length,
-    trainable_snapshot,
+    tiny_config,
+    train_fixed,
+    with_generation_ids,
 )
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
 
@@ -39,36 +38,10 @@ def tok():
     return make_tokenizer()
 
 
-def _run(tok, trainer_cls, args, model, **kwargs):
-    trainer = trainer_cls(
-        model, [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok, **kwargs
-    )
-    patch_generation(trainer, tok)
-    before = trainable_snapshot(trainer.model)
-    trainer.train()
-    return trainer, before, trainable_snapshot(trainer.model)
-
-
 def _parity(tok, tmp_path, model=None, trainer_kwargs=None, **options):
-    """Train stock TRL and RLLossGRPOTrainer with the same options; return our trainer's step logs and the largest
-    parameter difference. `model` makes a fresh model (or returns a path) for each run."""
-    options = {**BASE_ARGS, **COMMON, **options}
-    model = model or (lambda: make_model(tok))
-    trainer_kwargs = trainer_kwargs or {}
-    stock = GRPOConfig(output_dir=str(tmp_path / "trl"), **options)
-    ours = RLLossGRPOConfig(output_dir=str(tmp_path / "ours"), **options)
-    _, before, trl_after = _run(tok, GRPOTrainer, stock, model(), **trainer_kwargs)
-    trainer, our_before, our_after = _run(tok, RLLossGRPOTrainer, ours, model(), **trainer_kwargs)
-    assert trl_after.keys() == our_after.keys() == before.keys()
-    assert all(torch.equal(before[k], our_before[k]) for k in before), "the two runs must start from the same model"
-    moved = max((trl_after[k] - before[k]).abs().max().item() for k in before)
-    assert moved > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
-    diff = max((trl_after[k] - our_after[k]).abs().max().item() for k in before)
-    logs = [h for h in trainer.state.log_history if "loss/total" in h]
-    assert len(logs) == options["max_steps"]
-    for log in logs:  # the Trainer's loss is the step's loss, in every layout
-        assert abs(log["loss"] - log["loss/total"]) < 1e-5
-    return trainer, logs, diff
+    """Train stock TRL and RLLossGRPOTrainer with the same options (on top of `COMMON`); return our trainer's step
+    logs and the largest parameter difference. `model` makes a fresh model (or returns a path) for each run."""
+    return compare_with_trl(tok, tmp_path, {**COMMON, **options}, model, trainer_kwargs)
 
 
 def _saved_model(tok, tmp_path):
@@ -212,21 +185,7 @@ def _tiny_moe(tok, family: str):
     """A tiny Qwen3-MoE (experts in every layer) or GPT-OSS (experts, attention sinks, sliding-window layers)."""
     from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.1,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
+    common = tiny_config(tok, head_dim=8, num_experts_per_tok=2, tie_word_embeddings=False, router_aux_loss_coef=0.1)
     torch.manual_seed(0)
     if family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(
@@ -234,9 +193,7 @@ def _tiny_moe(tok, family: str):
         )
     else:
         model = GptOssForCausalLM(GptOssConfig(intermediate_size=32, num_local_experts=4, sliding_window=8, **common))
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    return model
+    return with_generation_ids(model, tok)
 
 
 @pytest.mark.slow  # the MoE experts run slowly on CPU
@@ -300,25 +257,10 @@ def _tiny_gemma2(tok, softcap: float):
 
     torch.manual_seed(0)
     config = Gemma2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        sliding_window=8,
-        final_logit_softcapping=softcap,
+        **tiny_config(tok, intermediate_size=64, head_dim=8, sliding_window=8, final_logit_softcapping=softcap),
         attn_implementation="eager",
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
     )
-    model = Gemma2ForCausalLM(config)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    return model
+    return with_generation_ids(Gemma2ForCausalLM(config), tok)
 
 
 @pytest.mark.parametrize("cast_lm_head_to_fp32", [False, True])
@@ -371,11 +313,7 @@ def test_entropy_bonus_adaptive_and_resume(tok, tmp_path):
         output_dir=str(tmp_path / "resumed"),
         **{**BASE_ARGS, **COMMON, **options, "save_strategy": "steps", "save_steps": 2},
     )
-    resumed = RLLossGRPOTrainer(
-        make_model(tok), [reward_length, reward_digit], args=args, train_dataset=make_dataset(), processing_class=tok
-    )
-    patch_generation(resumed, tok)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    resumed, _, _ = train_fixed(tok, args, resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
     assert resumed.entropy_coef == pytest.approx(0.7)  # 0.5 restored, + delta at step 3
 
 
