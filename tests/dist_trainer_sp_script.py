@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _trainer_utils  # noqa: E402
 import torch  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
@@ -24,7 +25,6 @@ from _trainer_utils import (  # noqa: E402
     reward_length,
     trainable_snapshot,
 )
-from _trainer_utils import make_model as tiny_qwen2  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
@@ -58,7 +58,7 @@ PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_po
 
 def make_model(tokenizer, heads: int = 4, kv_heads: int = 1, hidden_size: int = 32) -> Qwen2ForCausalLM:
     """A tiny Qwen2 with grouped-query attention (fewer key/value heads than SP ranks: they are replicated)."""
-    return tiny_qwen2(tokenizer, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, attn="sdpa")
+    return _trainer_utils.make_model(tokenizer, hidden_size=hidden_size, heads=heads, kv_heads=kv_heads, attn="sdpa")
 
 
 def make_dataset(n: int = 16) -> Dataset:
