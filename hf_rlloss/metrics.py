@@ -109,9 +109,11 @@ IS_SEQUENCES = ROLLOUT_IS_ACC + "sequences"
 IS_NONFINITE_TOKENS = ROLLOUT_IS_ACC + "nonfinite_tokens"
 
 
-def _train_policy(name: str, reduction: Reduction, meaning: str, logged: str | None, **fields: Any) -> MetricSpec:
+def _tp(name: str, reduction: Reduction, logged: str | None, meaning: str, **fields: Any) -> MetricSpec:
+    """A `train_policy/*` key, logged as `train_policy/<logged>`; by default a mean over the valid tokens that every
+    loss context emits."""
+    fields = {"per": VALID_TOKENS, "emitted": "always", **fields}
     logged_as = None if logged is None else TRAIN_POLICY + logged
-    fields.setdefault("emitted", "always")
     return MetricSpec(TRAIN_POLICY + name, reduction, meaning, logged_as, **fields)
 
 
@@ -121,82 +123,71 @@ def _loss(name: str, meaning: str, emitted: str | None) -> MetricSpec:
     return MetricSpec("loss/" + name, SUM, meaning, "loss/" + name, emitted=emitted)
 
 
-def _token_mean(name: str, logged: str, meaning: str, **fields: Any) -> MetricSpec:
-    fields.setdefault("per", IS_VALID_TOKENS)
-    return MetricSpec(ROLLOUT_IS_ACC + name, SUM, meaning, logged, **fields)
+def _is(name: str, reduction: Reduction, logged: str | None, meaning: str, per: str | None, **fields) -> MetricSpec:
+    """A rollout-IS accumulator `rollout_is_acc/<name>`, logged as `logged` (over `per`: V, S or all valid tokens)."""
+    return MetricSpec(ROLLOUT_IS_ACC + name, reduction, meaning, logged, per=per, **fields)
 
 
-def _seq_mean(name: str, logged: str | None, meaning: str, **fields: Any) -> MetricSpec:
-    return MetricSpec(ROLLOUT_IS_ACC + name, SUM, meaning, logged, per=IS_SEQUENCES, **fields)
-
-
-def _extremum(name: str, reduction: Reduction, logged: str, per: str, meaning: str) -> MetricSpec:
-    return MetricSpec(ROLLOUT_IS_ACC + name, reduction, meaning, logged, per=per)
-
-
-_V = dict(per=VALID_TOKENS)
+_V, _S, _M = IS_VALID_TOKENS, IS_SEQUENCES, IS_MASK_TOKENS
 _SPECS = [
     # ---- train_policy/*: how far the policy moved from π_old, on the valid tokens (r = π_θ / π_old) ----
-    _train_policy(
-        "valid_tokens", SUM, "valid (loss-carrying) tokens of the step", "valid_tokens", counts="valid tokens"
+    _tp(
+        "valid_tokens",
+        SUM,
+        "valid_tokens",
+        "valid (loss-carrying) tokens of the step",
+        per=None,
+        counts="valid tokens",
     ),
-    _train_policy("ratio_abs_dev_sum", SUM, "`abs(r − 1)`", "ratio_abs_dev_mean", **_V),
-    _train_policy("kl1_sum", SUM, "`log π_old − log π_θ`: k1 estimate of KL(π_old ‖ π_θ)", "kl1", **_V),
-    _train_policy(
-        "kl3_sum", SUM, "`r − 1 − log r` (log r clamped to ±20): k3 estimate of KL(π_old ‖ π_θ)", "kl3", **_V
-    ),
-    _train_policy("clip_low_count", SUM, "share of tokens with `A < 0` and `r < 1 − ε_low`", "clip_frac_low", **_V),
-    _train_policy("clip_high_count", SUM, "share of tokens with `A > 0` and `r > 1 + ε_high`", "clip_frac_high", **_V),
-    _train_policy(
-        "dual_clip_count", SUM, "share of tokens where the dual-clip bound was chosen", "dual_clip_frac", **_V
-    ),
-    _train_policy(
+    _tp("ratio_abs_dev_sum", SUM, "ratio_abs_dev_mean", "`abs(r − 1)`"),
+    _tp("kl1_sum", SUM, "kl1", "`log π_old − log π_θ`: k1 estimate of KL(π_old ‖ π_θ)"),
+    _tp("kl3_sum", SUM, "kl3", "`r − 1 − log r` (log r clamped to ±20): k3 estimate of KL(π_old ‖ π_θ)"),
+    _tp("clip_low_count", SUM, "clip_frac_low", "share of tokens with `A < 0` and `r < 1 − ε_low`"),
+    _tp("clip_high_count", SUM, "clip_frac_high", "share of tokens with `A > 0` and `r > 1 + ε_high`"),
+    _tp("dual_clip_count", SUM, "dual_clip_frac", "share of tokens where the dual-clip bound was chosen"),
+    _tp(
         "opsm_masked_count",
         SUM,
-        "share of tokens dropped by the off-policy sequence mask",
         "opsm_masked_frac",
-        per=VALID_TOKENS,
+        "share of tokens dropped by the off-policy sequence mask (OPSM)",
         emitted="opsm",
     ),
-    _train_policy(
-        "ref_kl_sum", SUM, "the KL estimate to the reference (`kl_loss_type`)", "ref_kl", emitted="kl", **_V
-    ),
-    _train_policy(
+    _tp("ref_kl_sum", SUM, "ref_kl", "the KL estimate to the reference (`kl_loss_type`)", emitted="kl"),
+    _tp(
         "entropy_sum",
         SUM,
-        "full-vocabulary entropy of the policy (hidden-state path)",
         "entropy",
+        "full-vocabulary entropy of the policy (hidden-state path)",
         per=ENTROPY_TOKENS,
         emitted="entropy",
     ),
-    _train_policy(
-        "entropy_tokens", SUM, "tokens whose entropy is known", None, counts="valid tokens", emitted="entropy"
-    ),
-    _train_policy(
+    _tp("entropy_tokens", SUM, None, "tokens with an entropy", per=None, counts="valid tokens", emitted="entropy"),
+    _tp(
         "entropy_kept_sum",
         SUM,
-        "entropy of the tokens `top_entropy_quantile` keeps (what TRL's adaptive entropy control measures)",
         "entropy_kept",
+        "entropy of the tokens `top_entropy_quantile` keeps (what TRL's adaptive entropy control measures)",
         per=ENTROPY_KEPT_TOKENS,
         emitted="entropy_kept",
     ),
-    _train_policy("entropy_kept_tokens", SUM, "kept tokens", None, counts="kept tokens", emitted="entropy_kept"),
-    _train_policy(
+    _tp("entropy_kept_tokens", SUM, None, "kept tokens", per=None, counts="kept tokens", emitted="entropy_kept"),
+    _tp(
         "nonfinite_masked_tokens",
         SUM,
-        "tokens dropped for a NaN/±inf input (`nonfinite_inputs='mask'`)",
         "nonfinite_masked_tokens",
+        "tokens dropped for a NaN/±inf input (`nonfinite_inputs='mask'`)",
+        per=None,
         emitted=None,
     ),
-    _train_policy("ratio_max", MAX, "largest `r`", "ratio_max", **_V),
-    _train_policy("ratio_min", MIN, "smallest `r`", "ratio_min", **_V),
+    _tp("ratio_max", MAX, "ratio_max", "largest `r`"),
+    _tp("ratio_min", MIN, "ratio_min", "smallest `r`"),
     # ---- loss/*: the step's global loss and its parts ----
     _loss("policy", "the policy loss", "always"),
     _loss("kl", "the KL loss (`kl_loss_coef` × the aggregated KL estimate)", "kl"),
     _loss("router_aux", "the MoE router load-balancing loss (the trainer's)", None),
     _loss("entropy_bonus", "the entropy bonus `−entropy_coef · H̄`", "entropy_bonus"),
     _loss("total", "the step's total loss", None),
-    # ---- rollout IS: counts ----
+    # ---- rollout IS (V: valid tokens with finite log-probs; S: sequences with a token in V) ----
     MetricSpec(IS_MASK_TOKENS, SUM, "valid tokens, finite or not", counts="valid tokens"),
     MetricSpec(IS_VALID_TOKENS, SUM, "valid tokens with finite log-probs", counts="valid finite tokens"),
     MetricSpec(IS_SEQUENCES, SUM, "sequences (counted on SP rank 0)", counts="sequences"),
@@ -206,72 +197,72 @@ _SPECS = [
         "valid tokens with a NaN/±inf old or rollout log-prob (rejected)",
         "rollout_is/nonfinite_tokens",
     ),
-    # ---- rollout IS: token means ----
-    _token_mean(
+    _is(
         "rejected_tokens",
+        SUM,
         "rollout_is/rejected_token_fraction",
-        "share of valid tokens rejected for any reason (`keep=False`)",
-        per=IS_MASK_TOKENS,
+        "share of valid tokens rejected for any reason",
+        _M,
     ),
-    _token_mean("delta_sum", "mismatch/mismatch_kl", "of `δ_t`: the k1 estimate of KL(μ ‖ π_old)", scale=-1.0),
-    _token_mean("abs_delta_sum", "mismatch/mismatch_logprob_abs_diff", "`abs(δ_t)`"),
-    _token_mean("k3_sum", "mismatch/mismatch_k3_kl", "`exp(δ̂) − δ̂ − 1`: k3 estimate of KL(μ ‖ π_old)"),
-    _token_mean(
-        "rho_token_sq_sum", "mismatch/mismatch_chi2_token", "of `exp(δ̂_t)²`: χ²(π_old ‖ μ) per token", offset=-1.0
-    ),
-    _token_mean("weight_sum", "rollout_is/mean", "`ρ` (above token level: `ρ_i` at each token)"),
-    MetricSpec(ROLLOUT_IS_ACC + "clamped_weight_sum", SUM, "`w`"),
-    MetricSpec(ROLLOUT_IS_ACC + "clamped_weight_sq_sum", SUM, "`w²`"),
-    _token_mean("high_tokens", "rollout_is/fraction_high", "share of tokens with `ρ > upper` (bounds set)"),
-    _token_mean("low_tokens", "rollout_is/fraction_low", "share of tokens with `ρ < lower` (bounds set)"),
-    _token_mean(
-        "masked_tokens", "rollout_is/masked_fraction", "share of tokens rejected by the mask band (`mask`, `both`)"
-    ),
-    _token_mean(
+    _is("delta_sum", SUM, "mismatch/mismatch_kl", "of `δ_t`: the k1 estimate of KL(μ ‖ π_old)", _V, scale=-1.0),
+    _is("abs_delta_sum", SUM, "mismatch/mismatch_logprob_abs_diff", "`abs(δ_t)`", _V),
+    _is("k3_sum", SUM, "mismatch/mismatch_k3_kl", "`exp(δ̂) − δ̂ − 1`: k3 estimate of KL(μ ‖ π_old)", _V),
+    _is("rho_token_sq_sum", SUM, "mismatch/mismatch_chi2_token", "of `exp(δ̂_t)²`: χ²(π_old ‖ μ)", _V, offset=-1.0),
+    _is("weight_sum", SUM, "rollout_is/mean", "`ρ` (above token level: `ρ_i` at each token)", _V),
+    _is("clamped_weight_sum", SUM, None, "`w`", None),
+    _is("clamped_weight_sq_sum", SUM, None, "`w²`", None),
+    _is("high_tokens", SUM, "rollout_is/fraction_high", "share of tokens with `ρ > upper` (bounds set)", _V),
+    _is("low_tokens", SUM, "rollout_is/fraction_low", "share of tokens with `ρ < lower` (bounds set)", _V),
+    _is("masked_tokens", SUM, "rollout_is/masked_fraction", "share rejected by the mask band (`mask`, `both`)", _V),
+    _is(
         "catastrophic_tokens",
+        SUM,
         "rollout_is/catastrophic_token_fraction",
         "share of tokens outside the veto bounds (veto set)",
+        _V,
     ),
-    _token_mean(
+    _is(
         "kept_mass_sum",
+        SUM,
         "mismatch/kept_mass_mean",
-        "probability mass the sampling truncation kept (1 without truncation; when the kept mass is known)",
+        "probability mass the sampling truncation kept (1 without it); logged when known (HF `generate`, or replayed)",
+        _V,
     ),
-    # ---- rollout IS: sequence means ----
-    _seq_mean("training_ppl_sum", "mismatch/mismatch_training_ppl", "`exp(−mean_{t∈i} log π_old)`"),
-    _seq_mean("training_log_ppl_sum", "mismatch/mismatch_training_log_ppl", "`−mean_{t∈i} log π_old`"),
-    _seq_mean("rollout_ppl_sum", "mismatch/mismatch_rollout_ppl", "`exp(−mean_{t∈i} log μ)`"),
-    _seq_mean("rollout_log_ppl_sum", "mismatch/mismatch_rollout_log_ppl", "`−mean_{t∈i} log μ`"),
-    _seq_mean("log_ppl_diff_sum", "mismatch/mismatch_log_ppl_diff", "`d_i`"),
-    _seq_mean("log_ppl_abs_diff_sum", "mismatch/mismatch_log_ppl_abs_diff", "`abs(d_i)`"),
-    _seq_mean(
-        "ppl_ratio_sum", "mismatch/mismatch_ppl_ratio", "`exp(clamp(d_i, ±20))`: training ppl / rollout ppl (XTuner's)"
-    ),
-    _seq_mean(
+    _is("training_ppl_sum", SUM, "mismatch/mismatch_training_ppl", "`exp(−mean_{t∈i} log π_old)`", _S),
+    _is("training_log_ppl_sum", SUM, "mismatch/mismatch_training_log_ppl", "`−mean_{t∈i} log π_old`", _S),
+    _is("rollout_ppl_sum", SUM, "mismatch/mismatch_rollout_ppl", "`exp(−mean_{t∈i} log μ)`", _S),
+    _is("rollout_log_ppl_sum", SUM, "mismatch/mismatch_rollout_log_ppl", "`−mean_{t∈i} log μ`", _S),
+    _is("log_ppl_diff_sum", SUM, "mismatch/mismatch_log_ppl_diff", "`d_i`", _S),
+    _is("log_ppl_abs_diff_sum", SUM, "mismatch/mismatch_log_ppl_abs_diff", "`abs(d_i)`", _S),
+    _is("ppl_ratio_sum", SUM, "mismatch/mismatch_ppl_ratio", "`exp(clamp(d_i, ±20))`: training ppl / rollout ppl", _S),
+    _is(
         "seq_rho_sq_sum",
+        SUM,
         "mismatch/mismatch_chi2_seq",
         "of `exp(clamp(Σ_{t∈i} δ_t, ±20))²`: χ² of whole sequences",
+        _S,
         offset=-1.0,
     ),
-    _seq_mean("seq_weight_sum", "rollout_is/seq_mean", "`s_i`"),
-    _seq_mean("seq_weight_sq_sum", None, "`s_i²`"),
-    _seq_mean("high_sequences", "rollout_is/seq_fraction_high", "share of sequences with `s_i > upper`"),
-    _seq_mean("low_sequences", "rollout_is/seq_fraction_low", "share of sequences with `s_i < lower`"),
-    _seq_mean(
+    _is("seq_weight_sum", SUM, "rollout_is/seq_mean", "`s_i`", _S),
+    _is("seq_weight_sq_sum", SUM, None, "`s_i²`", None),
+    _is("high_sequences", SUM, "rollout_is/seq_fraction_high", "share of sequences with `s_i > upper`", _S),
+    _is("low_sequences", SUM, "rollout_is/seq_fraction_low", "share of sequences with `s_i < lower`", _S),
+    _is(
         "masked_sequences",
+        SUM,
         "rollout_is/seq_masked_fraction",
         "share of sequences with a token rejected by the mask band",
+        _S,
     ),
-    _seq_mean("vetoed_sequences", "rollout_is/veto_fraction", "share of sequences vetoed (veto set)"),
-    # ---- rollout IS: extrema ----
-    _extremum("weight_max", MAX, "rollout_is/max", IS_VALID_TOKENS, "largest `ρ_t` (above token level: `ρ_i`)"),
-    _extremum("weight_min", MIN, "rollout_is/min", IS_VALID_TOKENS, "smallest `ρ_t` (above token level: `ρ_i`)"),
-    _extremum("log_ppl_diff_max", MAX, "mismatch/mismatch_log_ppl_diff_max", IS_SEQUENCES, "largest `d_i`"),
-    _extremum("log_ppl_diff_min", MIN, "mismatch/mismatch_log_ppl_diff_min", IS_SEQUENCES, "smallest `d_i`"),
-    _extremum("seq_weight_max", MAX, "rollout_is/seq_max", IS_SEQUENCES, "largest `s_i`"),
-    _extremum("seq_weight_min", MIN, "rollout_is/seq_min", IS_SEQUENCES, "smallest `s_i`"),
-    _extremum("seq_max_deviation", MAX, "rollout_is/seq_max_deviation", IS_SEQUENCES, "largest `abs(s_i − 1)`"),
-    _extremum("kept_mass_min", MIN, "mismatch/kept_mass_min", IS_VALID_TOKENS, "smallest kept probability mass"),
+    _is("vetoed_sequences", SUM, "rollout_is/veto_fraction", "share of sequences vetoed (veto set)", _S),
+    _is("weight_max", MAX, "rollout_is/max", "largest `ρ_t` (above token level: `ρ_i`)", _V),
+    _is("weight_min", MIN, "rollout_is/min", "smallest `ρ_t` (above token level: `ρ_i`)", _V),
+    _is("log_ppl_diff_max", MAX, "mismatch/mismatch_log_ppl_diff_max", "largest `d_i`", _S),
+    _is("log_ppl_diff_min", MIN, "mismatch/mismatch_log_ppl_diff_min", "smallest `d_i`", _S),
+    _is("seq_weight_max", MAX, "rollout_is/seq_max", "largest `s_i`", _S),
+    _is("seq_weight_min", MIN, "rollout_is/seq_min", "smallest `s_i`", _S),
+    _is("seq_max_deviation", MAX, "rollout_is/seq_max_deviation", "largest `abs(s_i − 1)`", _S),
+    _is("kept_mass_min", MIN, "mismatch/kept_mass_min", "smallest kept probability mass", _V),
 ]
 METRICS: dict[str, MetricSpec] = {spec.key: spec for spec in _SPECS}
 """Every accumulated key of the loss layer (and any added with `register_metric`), in declaration order."""
