@@ -395,7 +395,16 @@ class BaseRLLossContext:
                 f"head_weight has shape {tuple(head_weight.shape)}; expected (V, {hidden_states.shape[-1]})"
             )
 
-    def _loss_from_hidden(self, hidden_states, head_weight, index, tokens, *, temperature, matmul_dtype):
+    def _loss_from_hidden(
+        self,
+        hidden_states: torch.Tensor,
+        head_weight: torch.Tensor | None,
+        index: torch.Tensor,
+        tokens: dict[str, Any],
+        *,
+        temperature: float,
+        matmul_dtype: torch.dtype | None,
+    ):
         """`(loss, metrics, detached (N,) log-probs or None)` of `__call__(hidden_states=..., head_weight=...)`."""
         self._check_hidden(hidden_states, head_weight)
         cfg = self.loss_cfg

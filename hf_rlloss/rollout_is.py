@@ -252,7 +252,8 @@ def _check_inputs(named: dict[str, torch.Tensor | None], mask: torch.Tensor, seq
 def _valid_finite_tokens(
     cfg: RolloutImportanceSampling, old_logprobs, rollout_logprobs, mask, seq_ids, num_sequences: int
 ) -> _Tokens:
-    """Gather V (valid tokens whose old and rollout log-probs are finite) and their token-level ratios."""
+    """Gather V (valid tokens whose old and rollout log-probs are finite) and their token-level ratios, from the
+    `(B, T)` inputs of `compute_rollout_is`."""
     flat_mask = mask.reshape(-1)
     flat_old = old_logprobs.detach().reshape(-1).to(torch.float64)
     flat_rollout = rollout_logprobs.detach().reshape(-1).to(torch.float64)
