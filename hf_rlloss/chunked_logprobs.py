@@ -64,6 +64,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -204,16 +205,8 @@ def _entropy_grad_eager_(
     return logits
 
 
-def _entropy_grad_fused_(
-    logits: torch.Tensor,
-    log_normalizer: torch.Tensor,
-    scale: torch.Tensor,
-    inv_temp: float,
-    entropy: torch.Tensor,
-    entropy_scale: torch.Tensor,
-    softcapped: bool,
-):
-    """Same as `_entropy_grad_eager_`, for `torch.compile`."""
+def _entropy_grad_fused_(logits, log_normalizer, scale, inv_temp, entropy, entropy_scale, softcapped):
+    """Same as `_entropy_grad_eager_` (same arguments), for `torch.compile`."""
     x = logits.to(_compute_dtype(logits.dtype))
     log_p = x * inv_temp - log_normalizer[:, None]
     grad = -torch.exp(log_p) * (scale[:, None] + entropy_scale[:, None] * (log_p + entropy[:, None]))
@@ -444,15 +437,15 @@ def chunked_logprobs(
     logprobs = torch.empty(n, dtype=out_dtype, device=hidden.device)
     entropy = torch.empty(n, dtype=out_dtype, device=hidden.device) if with_entropy else None
     for start in range(0, n, chunk_size):
-        sl = slice(start, min(start + chunk_size, n))
-        h = hidden[sl].to(dtype)
+        chunk = slice(start, min(start + chunk_size, n))
+        h = hidden[chunk].to(dtype)
         logits = _chunk_logits(h, w)
-        logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[sl], logits), softcap)
-        _, logprobs[sl], chunk_entropy, _ = _chunk_softmax(
+        logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[chunk], logits), softcap)
+        _, logprobs[chunk], chunk_entropy, _ = _chunk_softmax(
             logits, label_logits, temperature, with_entropy, want_probs=False, compiled=compiled, softcap=softcap
         )
         if entropy is not None:
-            entropy[sl] = chunk_entropy
+            entropy[chunk] = chunk_entropy
     return logprobs, entropy
 
 
@@ -504,25 +497,27 @@ def chunked_kept_logmass(
     return logprobs, kept_logmass
 
 
+@dataclass(frozen=True)
+class _ChunkOptions:
+    """The non-tensor arguments of `_ChunkedObjective` (see `chunked_objective`)."""
+
+    chunk_size: int
+    temperature: float
+    with_entropy: bool
+    metrics_out: dict  # the objective's metrics, summed over chunks (filled by forward)
+    dtype: torch.dtype  # of the head GEMMs
+    compiled: bool
+    softcap: float | None
+    entropy_grad: bool
+
+
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        labels,
-        objective,
-        chunk_size,
-        temperature,
-        with_entropy,
-        metrics_out,
-        dtype,
-        compiled,
-        softcap,
-        entropy_grad,
-    ):
+    def forward(fctx, hidden, weight, labels, objective, options: _ChunkOptions):
+        chunk_size, temperature, with_entropy = options.chunk_size, options.temperature, options.with_entropy
+        dtype, compiled, softcap, entropy_grad = options.dtype, options.compiled, options.softcap, options.entropy_grad
         n = labels.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w = fctx.needs_input_grad[0], fctx.needs_input_grad[1]
         w = weight.to(dtype)  # cast once per call, not per chunk
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         # Accumulate the head gradient in float32 whatever the weight's dtype: it sums over every token.
@@ -530,11 +525,11 @@ class _ChunkedObjective(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=acc_dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
-            sl = slice(start, min(start + chunk_size, n))
-            h = hidden[sl].to(dtype)
+            chunk = slice(start, min(start + chunk_size, n))
+            h = hidden[chunk].to(dtype)
             # 1. logits (n, V) and the softmax statistics
             logits = _chunk_logits(h, w)
-            logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[sl], logits), softcap)
+            logits, label_logits = _softcap_(logits, _label_logits(h, w, labels[chunk], logits), softcap)
             block, token_logprobs, entropy, log_normalizer = _chunk_softmax(
                 logits,
                 label_logits,
@@ -549,21 +544,21 @@ class _ChunkedObjective(torch.autograd.Function):
             with torch.enable_grad():
                 lp = token_logprobs.detach().requires_grad_(True)
                 ent = entropy.detach().requires_grad_(True) if entropy_grad else entropy
-                value, metrics = objective(lp, sl, ent)
+                value, metrics = objective(lp, chunk, ent)
                 inputs = (lp, ent) if entropy_grad else (lp,)
                 grad_lp, *grad_ent = torch.autograd.grad(value, inputs, allow_unused=True)
                 grad_ent = grad_ent[0] if grad_ent else None
             if grad_lp is None and grad_ent is not None:
                 grad_lp = torch.zeros_like(lp)
             total += value.detach().to(acc_dtype)
-            accumulate_metrics(metrics_out, metrics)
+            accumulate_metrics(options.metrics_out, metrics)
             if grad_lp is None or not (need_h or need_w):
                 continue
             # 3. d log π(y) / d logits = onehot(y) − softmax (× 1 − tanh² softcapped), written over the block
             grad_logits = _grad_logits_(
                 block,
                 log_normalizer,
-                labels[sl],
+                labels[chunk],
                 grad_lp,
                 temperature,
                 compiled,
@@ -575,19 +570,19 @@ class _ChunkedObjective(torch.autograd.Function):
             grad_logits = grad_logits.to(dtype)
             # 4. the two gradient GEMMs
             if need_h:
-                grad_hidden[sl] = grad_logits @ w
+                grad_hidden[chunk] = grad_logits @ w
             if need_w and dtype == acc_dtype:
                 grad_weight.addmm_(grad_logits.t(), h)
             elif need_w:
                 _run_epilogue("accumulate", compiled, grad_weight, grad_logits.t() @ h)
         # Kept as attributes, not saved tensors: backward hands them over without a copy (they are not inputs or
         # outputs, so there is no version counter to check).
-        ctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_w else None)
+        fctx.grads = (grad_hidden, grad_weight.to(weight.dtype) if need_w else None)
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):
-        grads, ctx.grads = ctx.grads, None  # drop ctx's reference: autograd can then take the tensors as they are
+    def backward(fctx, grad_output):
+        grads, fctx.grads = fctx.grads, None  # drop fctx's reference: autograd can then take the tensors as they are
         if grads is None:
             raise RuntimeError(
                 "the chunked loss computes its gradients during the forward and hands them over once: backward "
@@ -595,7 +590,7 @@ class _ChunkedObjective(torch.autograd.Function):
             )
         if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
             grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
-        return *grads, None, None, None, None, None, None, None, None, None, None
+        return *grads, None, None, None
 
 
 def chunked_objective(
@@ -637,18 +632,6 @@ def chunked_objective(
     dtype = _matmul_dtype(hidden, weight, matmul_dtype)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], dtype)
     compiled = _use_compiled(compile_epilogue, dtype)
-    value = _ChunkedObjective.apply(
-        hidden,
-        weight,
-        labels,
-        objective,
-        chunk_size,
-        temperature,
-        with_entropy,
-        metrics,
-        dtype,
-        compiled,
-        softcap,
-        entropy_grad,
-    )
+    options = _ChunkOptions(chunk_size, temperature, with_entropy, metrics, dtype, compiled, softcap, entropy_grad)
+    value = _ChunkedObjective.apply(hidden, weight, labels, objective, options)
     return value, metrics

@@ -1,4 +1,10 @@
-"""Loss configurations: pydantic models validated at construction that build loss contexts from data."""
+"""Loss configurations: pydantic models validated at construction that build loss contexts from data.
+
+This is what the YAML's `rl_loss:` block fills: `RLLossGRPOConfig` (in `trainer_config.py`, the TRL `GRPOConfig`
+subclass that holds every other training option) validates that mapping into `GRPOLossConfig` (its
+`loss_config_class`) and keeps it as `args.rl_loss_config`. Used on its own, the loss layer needs only this module:
+`GRPOLossConfig(...).build(data)` gives the loss context of one micro-batch (`hf_rlloss.context`).
+"""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from .chunked_logprobs import chunked_logprobs, chunked_objective
 from .distributed import all_reduce, is_distributed, world_size
 from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, TOKEN_FIELDS
 from .kl import kl_penalty
-from .metrics import VALID_TOKENS, P, accumulate_metrics
+from .metrics import TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
 from .rollout_is import compute_rollout_is
 from .sequence_parallel import sp_group, sp_rank, sp_size, sp_split
 
@@ -191,47 +191,61 @@ class BaseRLLossContext:
             `dict`: the micro-batch's accumulable IS metrics; they are also emitted with the loss metrics of the
             next call, so `finalize_train_policy_metrics` reports the `mismatch/*` and `rollout_is/*` values.
         """
-        kw = self.loss_kwargs
+        kwargs = self.loss_kwargs
         if self.grad_scale is not None:
             raise RuntimeError(
                 "compute_rollout_is() was called after build_batches(): the tokens it rejects would stay in the "
                 "step's denominator. Call cfg.build(...), then ctx.compute_rollout_is() on each micro-batch, then "
                 "build_batches(contexts) once"
             )
-        if kw.rollout_logprobs is None:
+        if kwargs.rollout_logprobs is None:
             raise ValueError("compute_rollout_is needs rollout_logprobs (the generation engine's log-probs)")
-        if kw.old_logprobs is None:
+        if kwargs.old_logprobs is None:
             raise ValueError("compute_rollout_is needs old_logprobs (log-probs of the policy before the update)")
         mask = self.mask
         if self.loss_cfg.nonfinite_inputs == "error":  # IS would silently reject them: report bad input first
             for name in ("old_logprobs", "old_kept_logmass"):
-                value = getattr(kw, name)
+                value = getattr(kwargs, name)
                 bad = 0 if value is None else int((mask & ~torch.isfinite(value)).sum())
                 if bad:
                     raise ValueError(
                         f"{name} of {self._name()} has {bad} non-finite value(s) at valid tokens (set "
                         "nonfinite_inputs='mask' to drop such tokens instead)"
                     )
-        weights, keep, metrics = self._rollout_is(kw.old_logprobs, mask)
-        kw.shifted_labels = kw.shifted_labels.masked_fill(mask & ~keep, self.loss_cfg.ignore_idx)
-        if weights is not None:
-            weights = weights.to(torch.float32)
-            kw.rollout_is_weights = weights if kw.rollout_is_weights is None else weights * kw.rollout_is_weights
+        weights, keep, metrics = self._rollout_is(kwargs.old_logprobs, mask)
+        self._apply_rollout_is(mask & ~keep, weights)
         self.pending_metrics = accumulate_metrics(self.pending_metrics, metrics)
         return metrics
 
+    def _apply_rollout_is(self, rejected: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Drop the `rejected` tokens and multiply the IS `weights` into any `rollout_is_weights` of the data."""
+        self._drop_tokens(rejected)
+        if weights is not None:
+            kwargs = self.loss_kwargs
+            weights = weights.to(torch.float32)
+            kwargs.rollout_is_weights = (
+                weights if kwargs.rollout_is_weights is None else weights * kwargs.rollout_is_weights
+            )
+
+    def _drop_tokens(self, drop: torch.Tensor) -> None:
+        """Give the `drop` tokens the `ignore_idx` label, in a new tensor (the caller's labels are left untouched)."""
+        kwargs = self.loss_kwargs
+        kwargs.shifted_labels = kwargs.shifted_labels.masked_fill(drop, self.loss_cfg.ignore_idx)
+
     def _rollout_is(self, old_logprobs: torch.Tensor, mask: torch.Tensor):
         """`compute_rollout_is` on this micro-batch, π_old renormalized by `old_kept_logmass` when it is given."""
-        kw = self.loss_kwargs
-        old = old_logprobs if kw.old_kept_logmass is None else old_logprobs - kw.old_kept_logmass
-        kept_logmass = kw.rollout_kept_logmass if kw.rollout_kept_logmass is not None else kw.old_kept_logmass
+        kwargs = self.loss_kwargs
+        old = old_logprobs if kwargs.old_kept_logmass is None else old_logprobs - kwargs.old_kept_logmass
+        kept_logmass = (
+            kwargs.rollout_kept_logmass if kwargs.rollout_kept_logmass is not None else kwargs.old_kept_logmass
+        )
         return compute_rollout_is(
             self.loss_cfg.rollout_is,
             old,
-            kw.rollout_logprobs,
+            kwargs.rollout_logprobs,
             mask,
-            kw.seq_ids,
-            kw.num_sequences,
+            kwargs.seq_ids,
+            kwargs.num_sequences,
             sp_mesh=self.sp_mesh,
             kept_logmass=kept_logmass,
         )
@@ -247,10 +261,10 @@ class BaseRLLossContext:
         `old_logprobs` and metrics-only IS (weights must exist before `build_batches`); under SP the loss call
         makes the IS all-reduce over the SP group.
         """
-        kw = self.loss_kwargs
-        if kw.rollout_logprobs is None:
+        kwargs = self.loss_kwargs
+        if kwargs.rollout_logprobs is None:
             raise ValueError("defer_rollout_is needs rollout_logprobs (the generation engine's log-probs)")
-        if kw.old_logprobs is not None:
+        if kwargs.old_logprobs is not None:
             raise ValueError("defer_rollout_is is for micro-batches without old_logprobs: call compute_rollout_is")
         if self.loss_cfg.rollout_is.enabled:
             raise ValueError(
@@ -261,8 +275,7 @@ class BaseRLLossContext:
         self.deferred_rollout_is_mask = mask
         # Metrics-only IS rejects exactly the tokens with a non-finite log-prob; the loss's own are finite (or it
         # raises), so only the rollout's can be.
-        rejected = mask & ~torch.isfinite(kw.rollout_logprobs)
-        kw.shifted_labels = kw.shifted_labels.masked_fill(rejected, self.loss_cfg.ignore_idx)
+        self._drop_tokens(mask & ~torch.isfinite(kwargs.rollout_logprobs))
 
     def _deferred_rollout_is_metrics(self, index: torch.Tensor, token_logprobs: torch.Tensor) -> dict[str, Any]:
         """The metrics of `defer_rollout_is` from the `(N,)` detached log-probs at the flat valid positions `index`."""
@@ -272,7 +285,7 @@ class BaseRLLossContext:
         _, _, metrics = self._rollout_is(old, mask)
         return metrics
 
-    def _objective(self, logprobs, sl, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _objective(self, logprobs, chunk, entropy, tokens, seq_mean) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def _sequence_mean(self, statistic: torch.Tensor, seq_ids: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -287,9 +300,11 @@ class BaseRLLossContext:
 
     def _valid_tokens(self) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """Flat indices of the valid tokens, and every per-token field gathered at them."""
-        kw = self.loss_kwargs
+        kwargs = self.loss_kwargs
         index = self.mask.reshape(-1).nonzero().squeeze(-1)
-        tokens = {n: None if getattr(kw, n) is None else getattr(kw, n).reshape(-1)[index] for n in LOSS_FIELDS}
+        tokens = {
+            n: None if getattr(kwargs, n) is None else getattr(kwargs, n).reshape(-1)[index] for n in LOSS_FIELDS
+        }
         return index, tokens
 
     def __call__(
@@ -322,85 +337,12 @@ class BaseRLLossContext:
             raise RuntimeError("call build_batches() on the micro-batches of the optimizer step before the loss")
         if (logprobs is None) == (hidden_states is None):
             raise ValueError("pass exactly one of logprobs=... or hidden_states=... (with head_weight=...)")
-        labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
         index, tokens = self._valid_tokens()
         if logprobs is not None:
-            if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
-                raise ValueError(
-                    f"top_entropy_quantile={self.loss_cfg.top_entropy_quantile}: the high-entropy mask needs the "
-                    "full-vocabulary entropies; compute the loss from hidden_states=... and head_weight=..."
-                )
-            if self.entropy_coef != 0.0:
-                raise ValueError(
-                    f"entropy_coef={self.entropy_coef}: the entropy bonus needs the full-vocabulary distribution; "
-                    "compute the loss from hidden_states=... and head_weight=..."
-                )
-            if tuple(logprobs.shape) != labels_shape:
-                raise ValueError(
-                    f"logprobs has shape {tuple(logprobs.shape)} but shifted_labels has shape {labels_shape}"
-                )
-            token_logprobs = logprobs.reshape(-1)[index]
-            token_logprobs = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
-            bad = int((~torch.isfinite(token_logprobs.detach())).sum())
-            if bad:
-                raise FloatingPointError(f"logprobs has {bad} non-finite value(s) at valid tokens")
-            seq_mean = None
-            if self._needs_sequence_pass():
-                seq_mean = self._sequence_terms(token_logprobs.detach(), tokens)
-            loss, metrics = self._objective(token_logprobs, slice(None), None, tokens, seq_mean)
-            detached = token_logprobs.detach()
+            loss, metrics, detached = self._loss_from_logprobs(logprobs, index, tokens)
         else:
-            if head_weight is None:
-                raise ValueError("hidden_states=... needs head_weight=... (the (V, H) LM-head weight)")
-            if hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != labels_shape:
-                raise ValueError(
-                    f"hidden_states has shape {tuple(hidden_states.shape)}; expected (B, T, H) with (B, T) = "
-                    f"shifted_labels' shape {labels_shape}"
-                )
-            if head_weight.dim() != 2 or head_weight.shape[1] != hidden_states.shape[-1]:
-                raise ValueError(
-                    f"head_weight has shape {tuple(head_weight.shape)}; expected (V, {hidden_states.shape[-1]})"
-                )
-            hidden = hidden_states.reshape(-1, hidden_states.shape[-1])[index]
-            seq_mean = None
-            if self._needs_sequence_pass():
-                # Per-sequence terms need every token's log-prob first: a no-grad pass, then the chunked one.
-                token_logprobs, token_entropy = chunked_logprobs(
-                    hidden.detach(),
-                    head_weight.detach(),
-                    tokens["shifted_labels"],
-                    temperature=temperature,
-                    chunk_size=self.loss_cfg.chunk_size,
-                    with_entropy=self.loss_cfg.top_entropy_quantile < 1.0,
-                    matmul_dtype=matmul_dtype,
-                    compile_epilogue=self.loss_cfg.compile_epilogue,
-                    softcap=self.loss_cfg.logit_softcapping,
-                )
-                if token_entropy is not None:
-                    tokens["entropy_keep"] = self._high_entropy_mask(token_entropy)
-                seq_mean = self._sequence_terms(token_logprobs, tokens)
-
-            deferred = self.deferred_rollout_is_mask is not None
-            detached = torch.empty(index.shape, dtype=torch.float64, device=hidden.device) if deferred else None
-
-            def objective(lp, sl, entropy):
-                if detached is not None:  # the old log-probs of an on-policy micro-batch (defer_rollout_is)
-                    detached[sl] = lp.detach()
-                return self._objective(lp, sl, entropy, tokens, seq_mean)
-
-            loss, metrics = chunked_objective(
-                hidden,
-                head_weight,
-                tokens["shifted_labels"],
-                objective,
-                temperature=temperature,
-                chunk_size=self.loss_cfg.chunk_size,
-                with_entropy=self.loss_cfg.compute_entropy or self.entropy_coef != 0.0,
-                matmul_dtype=matmul_dtype,
-                compile_epilogue=self.loss_cfg.compile_epilogue,
-                softcap=self.loss_cfg.logit_softcapping,
-                entropy_grad=self.entropy_coef != 0.0,
-            )
+            head = {"temperature": temperature, "matmul_dtype": matmul_dtype}
+            loss, metrics, detached = self._loss_from_hidden(hidden_states, head_weight, index, tokens, **head)
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
         if self.deferred_rollout_is_mask is not None:
             accumulate_metrics(metrics, self._deferred_rollout_is_metrics(index, detached))
@@ -412,6 +354,100 @@ class BaseRLLossContext:
             summary = {k: round(float(v), 6) for k, v in metrics.items()}
             raise FloatingPointError(f"the loss of this micro-batch is not finite ({float(loss)}); metrics: {summary}")
         return loss * self.grad_scale, metrics
+
+    def _loss_from_logprobs(self, logprobs: torch.Tensor, index: torch.Tensor, tokens: dict[str, Any]):
+        """`(loss, metrics, detached (N,) log-probs)` of `__call__(logprobs=...)`."""
+        labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
+        if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
+            raise ValueError(
+                f"top_entropy_quantile={self.loss_cfg.top_entropy_quantile}: the high-entropy mask needs the "
+                "full-vocabulary entropies; compute the loss from hidden_states=... and head_weight=..."
+            )
+        if self.entropy_coef != 0.0:
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef}: the entropy bonus needs the full-vocabulary distribution; "
+                "compute the loss from hidden_states=... and head_weight=..."
+            )
+        if tuple(logprobs.shape) != labels_shape:
+            raise ValueError(f"logprobs has shape {tuple(logprobs.shape)} but shifted_labels has shape {labels_shape}")
+        token_logprobs = logprobs.reshape(-1)[index]
+        token_logprobs = token_logprobs.to(torch.promote_types(token_logprobs.dtype, torch.float32))
+        bad = int((~torch.isfinite(token_logprobs.detach())).sum())
+        if bad:
+            raise FloatingPointError(f"logprobs has {bad} non-finite value(s) at valid tokens")
+        seq_mean = None
+        if self._needs_sequence_pass():
+            seq_mean = self._sequence_terms(token_logprobs.detach(), tokens)
+        loss, metrics = self._objective(token_logprobs, slice(None), None, tokens, seq_mean)
+        return loss, metrics, token_logprobs.detach()
+
+    def _check_hidden(self, hidden_states: torch.Tensor, head_weight: torch.Tensor | None) -> None:
+        labels_shape = tuple(self.loss_kwargs.shifted_labels.shape)
+        if head_weight is None:
+            raise ValueError("hidden_states=... needs head_weight=... (the (V, H) LM-head weight)")
+        if hidden_states.dim() != 3 or tuple(hidden_states.shape[:2]) != labels_shape:
+            raise ValueError(
+                f"hidden_states has shape {tuple(hidden_states.shape)}; expected (B, T, H) with (B, T) = "
+                f"shifted_labels' shape {labels_shape}"
+            )
+        if head_weight.dim() != 2 or head_weight.shape[1] != hidden_states.shape[-1]:
+            raise ValueError(
+                f"head_weight has shape {tuple(head_weight.shape)}; expected (V, {hidden_states.shape[-1]})"
+            )
+
+    def _loss_from_hidden(
+        self,
+        hidden_states: torch.Tensor,
+        head_weight: torch.Tensor | None,
+        index: torch.Tensor,
+        tokens: dict[str, Any],
+        *,
+        temperature: float,
+        matmul_dtype: torch.dtype | None,
+    ):
+        """`(loss, metrics, detached (N,) log-probs or None)` of `__call__(hidden_states=..., head_weight=...)`."""
+        self._check_hidden(hidden_states, head_weight)
+        cfg = self.loss_cfg
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])[index]
+        head = {
+            "temperature": temperature,
+            "chunk_size": cfg.chunk_size,
+            "matmul_dtype": matmul_dtype,
+            "compile_epilogue": cfg.compile_epilogue,
+            "softcap": cfg.logit_softcapping,
+        }
+        seq_mean = None
+        if self._needs_sequence_pass():
+            # Per-sequence terms need every token's log-prob first: a no-grad pass, then the chunked one.
+            token_logprobs, token_entropy = chunked_logprobs(
+                hidden.detach(),
+                head_weight.detach(),
+                tokens["shifted_labels"],
+                with_entropy=cfg.top_entropy_quantile < 1.0,
+                **head,
+            )
+            if token_entropy is not None:
+                tokens["entropy_keep"] = self._high_entropy_mask(token_entropy)
+            seq_mean = self._sequence_terms(token_logprobs, tokens)
+
+        deferred = self.deferred_rollout_is_mask is not None
+        detached = torch.empty(index.shape, dtype=torch.float64, device=hidden.device) if deferred else None
+
+        def objective(chunk_logprobs, chunk, entropy):
+            if detached is not None:  # the old log-probs of an on-policy micro-batch (defer_rollout_is)
+                detached[chunk] = chunk_logprobs.detach()
+            return self._objective(chunk_logprobs, chunk, entropy, tokens, seq_mean)
+
+        loss, metrics = chunked_objective(
+            hidden,
+            head_weight,
+            tokens["shifted_labels"],
+            objective,
+            with_entropy=cfg.compute_entropy or self.entropy_coef != 0.0,
+            entropy_grad=self.entropy_coef != 0.0,
+            **head,
+        )
+        return loss, metrics, detached
 
     def _high_entropy_mask(self, entropy: torch.Tensor) -> torch.Tensor:
         """`(N,)` bool: the tokens whose entropy is ≥ the `1 − top_entropy_quantile` quantile of the micro-batch's
@@ -457,14 +493,16 @@ class BaseRLLossContext:
         (``s_i · mean_t w_t·k_t``, the factor of the ratio's gradient; see `_kl_term`).
         """
         cfg = self.loss_cfg
-        pcfg = cfg.policy_loss_cfg
+        policy_cfg = cfg.policy_loss_cfg
         seq_ids = tokens["seq_ids"]
         old = tokens["old_logprobs"] if tokens["old_logprobs"] is not None else token_logprobs
         seq_mean = None
-        if pcfg.spec.sequence_statistic is not None:
-            extra = {"rollout_is_weights": tokens["rollout_is_weights"]} if pcfg.spec.absorbs_rollout_is else {}
-            statistic = pcfg.spec.sequence_statistic(token_logprobs, old, tokens["advantages"], pcfg, **extra)
-            seq_mean = self._sequence_mean(statistic, seq_ids, reduction=pcfg.spec.sequence_reduction)
+        if policy_cfg.spec.sequence_statistic is not None:
+            extra = {"rollout_is_weights": tokens["rollout_is_weights"]} if policy_cfg.spec.absorbs_rollout_is else {}
+            statistic = policy_cfg.spec.sequence_statistic(
+                token_logprobs, old, tokens["advantages"], policy_cfg, **extra
+            )
+            seq_mean = self._sequence_mean(statistic, seq_ids, reduction=policy_cfg.spec.sequence_reduction)
         if cfg.off_policy_mask_threshold is not None:
             # DeepSeek-V3.2 OPSM as TRL: KL(rollout ‖ π_θ) estimated per sequence; tokens the rollout engine could
             # not score (NaN) give no evidence.
@@ -481,35 +519,17 @@ class BaseRLLossContext:
 
     def _empty_metrics(self, from_hidden: bool, device) -> dict[str, torch.Tensor]:
         """Every metric key this context emits, at its neutral value, so every rank reduces the same keys."""
-        zero = torch.zeros((), device=device)
-        keys = [
-            "valid_tokens",
-            "ratio_abs_dev_sum",
-            "kl1_sum",
-            "kl3_sum",
-            "clip_low_count",
-            "clip_high_count",
-            "dual_clip_count",
-        ]
-        metrics = {P + k: zero for k in keys}
-        metrics[P + "ratio_max"] = torch.full((), float("-inf"), device=device)
-        metrics[P + "ratio_min"] = torch.full((), float("inf"), device=device)
-        metrics["loss/policy"] = zero
-        if self.loss_cfg.use_kl_loss:
-            metrics["loss/kl"] = zero
-            metrics[P + "ref_kl_sum"] = zero
-        if self.loss_cfg.off_policy_mask_threshold is not None:
-            metrics[P + "opsm_masked_count"] = zero
-        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
-            metrics[P + "entropy_sum"] = zero
-            metrics[P + "entropy_tokens"] = zero
-        if self.entropy_coef != 0.0:
-            metrics["loss/entropy_bonus"] = zero
-        if from_hidden and (self.loss_cfg.compute_entropy or self.entropy_coef != 0.0):
-            if getattr(self.loss_cfg, "top_entropy_quantile", 1.0) < 1.0:
-                metrics[P + "entropy_kept_sum"] = zero
-                metrics[P + "entropy_kept_tokens"] = zero
-        return metrics
+        cfg = self.loss_cfg
+        entropy = from_hidden and (cfg.compute_entropy or self.entropy_coef != 0.0)
+        features = {
+            "always": True,
+            "kl": cfg.use_kl_loss,
+            "opsm": cfg.off_policy_mask_threshold is not None,
+            "entropy": entropy,
+            "entropy_bonus": self.entropy_coef != 0.0,
+            "entropy_kept": entropy and getattr(cfg, "top_entropy_quantile", 1.0) < 1.0,
+        }
+        return neutral_metrics([name for name, on in features.items() if on], device)
 
 
 class GRPOLossContext(BaseRLLossContext):
@@ -578,16 +598,22 @@ class GRPOLossContext(BaseRLLossContext):
         grad_scale = grad_averaging_size if grad_averaging_size is not None else world_size(process_group)
 
         for ctx, seq_counts in zip(contexts, counts):
-            kw = ctx.loss_kwargs
+            kwargs = ctx.loss_kwargs
             weights = step_fraction * aggregation_weights(
-                ctx.mask, kw.seq_ids, seq_counts, cfg.agg_mode, global_tokens, global_sequences, cfg.loss_scale_factor
+                ctx.mask,
+                kwargs.seq_ids,
+                seq_counts,
+                cfg.agg_mode,
+                global_tokens,
+                global_sequences,
+                cfg.loss_scale_factor,
             )
             policy_weight = weights
-            if kw.rollout_is_weights is not None and not cfg.policy_loss_cfg.spec.absorbs_rollout_is:
-                policy_weight = weights * kw.rollout_is_weights
-            kw.policy_loss_weight = torch.where(ctx.mask, policy_weight, 0.0)
-            kw.kl_loss_weight = weights * cfg.kl_loss_coef if cfg.use_kl_loss else None
-            kw.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
+            if kwargs.rollout_is_weights is not None and not cfg.policy_loss_cfg.spec.absorbs_rollout_is:
+                policy_weight = weights * kwargs.rollout_is_weights
+            kwargs.policy_loss_weight = torch.where(ctx.mask, policy_weight, 0.0)
+            kwargs.kl_loss_weight = weights * cfg.kl_loss_coef if cfg.use_kl_loss else None
+            kwargs.global_grad_tokens = torch.tensor(global_tokens, device=weights.device)
             ctx.seq_token_counts = seq_counts
             ctx.grad_scale = float(grad_scale)
             ctx.process_group = process_group
@@ -596,11 +622,11 @@ class GRPOLossContext(BaseRLLossContext):
         return contexts
 
     def _handle_nonfinite(self, index: int) -> None:
-        kw = self.loss_kwargs
+        kwargs = self.loss_kwargs
         mask = self.mask
         bad = torch.zeros_like(mask)
         for name in CHECKED_FOR_NONFINITE:
-            value = getattr(kw, name)
+            value = getattr(kwargs, name)
             if value is None:
                 continue
             field_bad = mask & ~torch.isfinite(value)
@@ -612,51 +638,54 @@ class GRPOLossContext(BaseRLLossContext):
                 )
             bad |= field_bad
         count = int(bad.sum())
-        if count:  # mask mode: a new labels tensor, so the caller's is left untouched
-            kw.shifted_labels = kw.shifted_labels.masked_fill(bad, self.loss_cfg.ignore_idx)
+        if count:  # mask mode
+            self._drop_tokens(bad)
         self.pending_metrics = accumulate_metrics(
-            self.pending_metrics, {P + "nonfinite_masked_tokens": torch.tensor(float(count), device=mask.device)}
+            self.pending_metrics,
+            {TRAIN_POLICY + "nonfinite_masked_tokens": torch.tensor(float(count), device=mask.device)},
         )
 
-    def _objective(self, logprobs, sl, entropy, tokens, seq_mean):
+    def _objective(self, logprobs, chunk, entropy, tokens, seq_mean):
         cfg = self.loss_cfg
-        pcfg = cfg.policy_loss_cfg
-        old = tokens["old_logprobs"][sl] if tokens["old_logprobs"] is not None else logprobs.detach()
-        advantages = tokens["advantages"][sl]
-        per_token, indicators = pcfg.spec.fn(
-            logprobs, old, advantages, pcfg, seq_mean=None if seq_mean is None else seq_mean[sl]
+        policy_cfg = cfg.policy_loss_cfg
+        old = tokens["old_logprobs"][chunk] if tokens["old_logprobs"] is not None else logprobs.detach()
+        advantages = tokens["advantages"][chunk]
+        per_token, indicators = policy_cfg.spec.fn(
+            logprobs, old, advantages, policy_cfg, seq_mean=None if seq_mean is None else seq_mean[chunk]
         )
-        weight = tokens["policy_loss_weight"][sl]
+        weight = tokens["policy_loss_weight"][chunk]
         metrics = train_policy_metrics(
             logprobs.detach(), old, indicators, None if entropy is None else entropy.detach()
         )
         if "opsm_keep" in tokens:
-            keep = tokens["opsm_keep"][sl]
+            keep = tokens["opsm_keep"][chunk]
             weight = torch.where(keep, weight, 0.0)
-            metrics[P + "opsm_masked_count"] = (~keep).float().sum()
+            metrics[TRAIN_POLICY + "opsm_masked_count"] = (~keep).float().sum()
         if "entropy_keep" in tokens:
-            weight = torch.where(tokens["entropy_keep"][sl], weight, 0.0)
+            weight = torch.where(tokens["entropy_keep"][chunk], weight, 0.0)
             if entropy is not None:
-                kept_entropy = torch.where(tokens["entropy_keep"][sl], entropy.detach(), 0.0)
-                metrics[P + "entropy_kept_sum"] = kept_entropy.float().sum()
-                metrics[P + "entropy_kept_tokens"] = tokens["entropy_keep"][sl].float().sum()
+                kept_entropy = torch.where(tokens["entropy_keep"][chunk], entropy.detach(), 0.0)
+                metrics[TRAIN_POLICY + "entropy_kept_sum"] = kept_entropy.float().sum()
+                metrics[TRAIN_POLICY + "entropy_kept_tokens"] = tokens["entropy_keep"][chunk].float().sum()
         # Zero-weight tokens must not leak NaN/inf from their loss value: select rather than multiply.
         policy = torch.where(weight != 0, per_token * weight, 0.0).sum()
         metrics["loss/policy"] = policy.detach()
         total = policy
         if cfg.use_kl_loss:
-            kl, kl_loss = self._kl_term(logprobs, old, sl, tokens)
+            kl, kl_loss = self._kl_term(logprobs, old, chunk, tokens)
             total = total + kl_loss
             metrics["loss/kl"] = kl_loss.detach()
-            metrics[P + "ref_kl_sum"] = kl.detach().sum()
+            metrics[TRAIN_POLICY + "ref_kl_sum"] = kl.detach().sum()
         if self.entropy_coef != 0.0:
-            kept = entropy if "entropy_keep" not in tokens else torch.where(tokens["entropy_keep"][sl], entropy, 0.0)
+            kept = (
+                entropy if "entropy_keep" not in tokens else torch.where(tokens["entropy_keep"][chunk], entropy, 0.0)
+            )
             bonus = -self.entropy_coef * self.entropy_scale * self.entropy_keep_scale * kept.sum()
             total = total + bonus
             metrics["loss/entropy_bonus"] = bonus.detach()
         return total, metrics
 
-    def _kl_term(self, logprobs, old, sl, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kl_term(self, logprobs, old, chunk, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token KL estimate ``k_t`` and the weighted KL loss of a chunk.
 
         With ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``) the loss is ``Σ_t w_t·k_t·ρ_t`` with a
@@ -666,15 +695,15 @@ class GRPOLossContext(BaseRLLossContext):
         ``s_i·Σ_t w_t·k_t`` and the gradient ``s_i·Σ_t w_t·∇k_t + s_i·(Σ_u w_u·k_u)·mean_t ∇log π_t``, exactly.
         """
         cfg = self.loss_cfg
-        pcfg = cfg.policy_loss_cfg
-        weight = tokens["kl_loss_weight"][sl]
-        kl = kl_penalty(logprobs, tokens["ref_logprobs"][sl], cfg.kl_loss_type)
+        policy_cfg = cfg.policy_loss_cfg
+        weight = tokens["kl_loss_weight"][chunk]
+        kl = kl_penalty(logprobs, tokens["ref_logprobs"][chunk], cfg.kl_loss_type)
         if cfg.kl_bias_correction == "token":
-            ratio = (logprobs - old).clamp(pcfg.log_prob_diff_min, pcfg.log_prob_diff_max).exp()
+            ratio = (logprobs - old).clamp(policy_cfg.log_prob_diff_min, policy_cfg.log_prob_diff_max).exp()
             return kl, (kl * ratio * weight).sum()
         if cfg.kl_bias_correction == "sequence":
-            coupling = tokens["kl_seq_coupling"][sl] * (logprobs - logprobs.detach())
-            return kl, (tokens["kl_seq_ratio"][sl] * kl * weight + coupling).sum()
+            coupling = tokens["kl_seq_coupling"][chunk] * (logprobs - logprobs.detach())
+            return kl, (tokens["kl_seq_ratio"][chunk] * kl * weight + coupling).sum()
         return kl, (kl * weight).sum()
 
 
@@ -697,16 +726,16 @@ def train_policy_metrics(
     n = log_ratio.numel()
     metrics = {
         VALID_TOKENS: torch.tensor(float(n), device=logprobs.device),
-        P + "ratio_abs_dev_sum": (ratio - 1).abs().sum(),
-        P + "kl1_sum": (-log_ratio).sum(),
-        P + "kl3_sum": (ratio - 1 - clamped).sum(),
-        P + "ratio_max": ratio.max() if n else torch.full((), float("-inf"), device=logprobs.device),
-        P + "ratio_min": ratio.min() if n else torch.full((), float("inf"), device=logprobs.device),
+        TRAIN_POLICY + "ratio_abs_dev_sum": (ratio - 1).abs().sum(),
+        TRAIN_POLICY + "kl1_sum": (-log_ratio).sum(),
+        TRAIN_POLICY + "kl3_sum": (ratio - 1 - clamped).sum(),
+        TRAIN_POLICY + "ratio_max": ratio.max() if n else torch.full((), float("-inf"), device=logprobs.device),
+        TRAIN_POLICY + "ratio_min": ratio.min() if n else torch.full((), float("inf"), device=logprobs.device),
     }
     for name in ("clip_low", "clip_high", "dual_clip"):
         if name in indicators:
-            metrics[P + f"{name}_count"] = indicators[name].float().sum()
+            metrics[TRAIN_POLICY + f"{name}_count"] = indicators[name].float().sum()
     if entropy is not None:
-        metrics[P + "entropy_sum"] = entropy.sum()
-        metrics[P + "entropy_tokens"] = torch.tensor(float(n), device=logprobs.device)
+        metrics[TRAIN_POLICY + "entropy_sum"] = entropy.sum()
+        metrics[TRAIN_POLICY + "entropy_tokens"] = torch.tensor(float(n), device=logprobs.device)
     return metrics

@@ -24,49 +24,15 @@ both. The veto rejects a whole sequence as soon as one of its valid tokens has `
 ``[veto_lower, veto_upper]``, at every level. Valid tokens whose old or rollout log-prob is NaN or ±inf are always
 rejected, counted in ``rollout_is/nonfinite_tokens``, and left out of every sum below, as if they were masked.
 
-Metrics. ``V`` is the set of valid finite tokens (``N = |V|``), ``S`` the set of sequences with at least one token in
-``V`` (``K = |S|``; padding rows and empty sequences are not sequences here), ``n_i`` the tokens of sequence ``i`` in
-``V``. ``ρ`` is the level's weight before truncation and rejection (safety-bounded), ``w = clamp(ρ, lower, upper)``
-(two-sided, as XTuner and verl; ``w = ρ`` when no bounds are set), ``s_i = mean_{t∈i} ρ_t`` (``= ρ_i`` at the sequence
-and geometric levels), ``d_i = mean_{t∈i} log μ − mean_{t∈i} log π_old`` and ``δ̂ = clamp(δ, ±20)``. Token-weighted
-metrics average over ``V``, sequence-weighted ones over ``S``, both over every micro-batch and rank of the step; a
-metric whose count is 0 is ``0.0``.
-
-| key | formula | weighted by |
-|---|---|---|
-| ``mismatch/mismatch_training_ppl`` | ``mean_i exp(−mean_{t∈i} log π_old)`` | sequence |
-| ``mismatch/mismatch_training_log_ppl`` | ``mean_i (−mean_{t∈i} log π_old)`` | sequence |
-| ``mismatch/mismatch_rollout_ppl`` | ``mean_i exp(−mean_{t∈i} log μ)`` | sequence |
-| ``mismatch/mismatch_rollout_log_ppl`` | ``mean_i (−mean_{t∈i} log μ)`` | sequence |
-| ``mismatch/mismatch_log_ppl_diff`` | ``mean_i d_i`` | sequence |
-| ``mismatch/mismatch_log_ppl_abs_diff`` | ``mean_i |d_i|`` | sequence |
-| ``mismatch/mismatch_log_ppl_diff_max`` / ``_min`` | ``max_i d_i`` / ``min_i d_i`` | sequence |
-| ``mismatch/mismatch_ppl_ratio`` | ``mean_i exp(clamp(d_i, ±20))``: training ppl / rollout ppl (XTuner's) | sequence |
-| ``mismatch/mismatch_kl`` | ``mean_t (log μ − log π_old)``: k1 estimate of KL(μ‖π_old) | token |
-| ``mismatch/mismatch_k3_kl`` | ``mean_t (exp(δ̂) − δ̂ − 1)``: k3 estimate of KL(μ‖π_old) | token |
-| ``mismatch/mismatch_logprob_abs_diff`` | ``mean_t |δ_t|`` | token |
-| ``mismatch/mismatch_chi2_token`` | ``mean_t exp(δ̂_t)² − 1``: χ²(π_old‖μ) per token | token |
-| ``mismatch/mismatch_chi2_seq`` | ``mean_i exp(clamp(Σ_{t∈i} δ_t, ±20))² − 1``: χ² of whole sequences | sequence |
-| ``rollout_is/mean`` | ``mean_t ρ_t`` | token |
-| ``rollout_is/std`` | ``sqrt(mean_t w² − (mean_t w)²)`` (population std) | token |
-| ``rollout_is/eff_sample_size`` | ``(mean_t w)² / mean_t w²``, the normalized ESS in ``(0, 1]`` | token |
-| ``rollout_is/max`` / ``min`` | ``max_t ρ_t`` / ``min_t ρ_t`` (above token level: extrema of ``ρ_i``) | token |
-| ``rollout_is/fraction_high`` / ``_low`` | share of tokens with ``ρ_t > upper`` / ``< lower`` (bounds set) | token |
-| ``rollout_is/seq_mean`` | ``mean_i s_i`` | sequence |
-| ``rollout_is/seq_std`` | unbiased (Bessel) std of ``s_i``, 0 when ``K < 2`` | sequence |
-| ``rollout_is/seq_max`` / ``seq_min`` | ``max_i s_i`` / ``min_i s_i`` | sequence |
-| ``rollout_is/seq_max_deviation`` | ``max_i |s_i − 1|`` | sequence |
-| ``rollout_is/seq_fraction_high`` / ``_low`` | share of sequences with ``s_i > upper`` / ``< lower`` | sequence |
-| ``rollout_is/masked_fraction`` | share of tokens rejected by the band (``mask``/``both`` only) | token |
-| ``rollout_is/seq_masked_fraction`` | share of sequences with a token rejected by the band | sequence |
-| ``rollout_is/veto_fraction`` | share of sequences vetoed (veto set) | sequence |
-| ``rollout_is/catastrophic_token_fraction`` | share of valid tokens outside the veto bounds (veto set) | token |
-| ``rollout_is/rejected_token_fraction`` | share of ``mask`` tokens with ``keep=False`` (every cause) | ``mask`` |
-| ``rollout_is/nonfinite_tokens`` | number of ``mask`` tokens with a NaN/±inf old or rollout log-prob | count |
-
-Metrics that need the bounds (``fraction_*``, ``seq_fraction_*``), the mask band (``masked_fraction``,
-``seq_masked_fraction``) or the veto (``veto_fraction``, ``catastrophic_token_fraction``) are emitted only when it is
-configured. Weights are 0 at rejected tokens; all statistics above use every valid finite token, rejected or not.
+Metrics. ``V`` is the set of valid finite tokens, ``S`` the set of sequences with at least one token in ``V``
+(padding rows and empty sequences are not sequences here). :func:`compute_rollout_is` emits sums, counts and extrema
+over them (the ``rollout_is_acc/*`` keys); every logged key, its formula and what it is a mean of are declared once,
+in `hf_rlloss.metrics.METRICS` (table: `hf_rlloss.metrics.metrics_table()`, the README's metrics table).
+Token-weighted metrics average over ``V``, sequence-weighted ones over ``S``, both over every micro-batch and rank of
+the step; a metric whose count is 0 is ``0.0``. Metrics that need the bounds (``fraction_*``, ``seq_fraction_*``),
+the mask band (``masked_fraction``, ``seq_masked_fraction``) or the veto (``veto_fraction``,
+``catastrophic_token_fraction``) are emitted only when it is configured. Weights are 0 at rejected tokens; all
+statistics use every valid finite token, rejected or not.
 
 The ``mismatch/*`` names are XTuner's; its ``mismatch/rollout_is_<x>`` keys (logged there as
 ``rollout_is/mismatch/rollout_is_<x>``) are ``rollout_is/<x>`` here. Differences from XTuner v1 (its bugs fixed):
@@ -75,11 +41,13 @@ rows and empty sequences never enter any metric; ``fraction_high``/``_low`` are 
 (``seq_fraction_*`` are the sequence-weighted ones); the k3 estimate is clamped; bounds are named fields, validated
 at construction (``lower < upper``) instead of an ``(upper, lower)`` tuple; truncation is upper-only unless
 ``truncate_lower=True``; the inputs are never modified.
+``mismatch/mismatch_ppl_ratio`` is XTuner's training ppl / rollout ppl (``exp(d_i)``), averaged over sequences.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -88,7 +56,15 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from torch.distributed.device_mesh import DeviceMesh
 
 from .distributed import all_reduce
-from .metrics import Reduction, reduce_metrics, register_finalizer, register_metric
+from .metrics import (
+    IS_MASK_TOKENS,
+    IS_NONFINITE_TOKENS,
+    IS_SEQUENCES,
+    IS_VALID_TOKENS,
+    ROLLOUT_IS_ACC,
+    finalize_reduced,
+    reduce_metrics,
+)
 from .sequence_parallel import sp_group, sp_rank, sp_size
 
 SAFETY_BOUND = 20.0
@@ -224,63 +200,152 @@ class RolloutImportanceSampling(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Accumulated (pre-finalize) metric keys and their declared reductions.
+# compute_rollout_is, in stages: inputs checked → tokens of V → per-sequence sums → ratios and keep → weights →
+# metrics. The metric keys and how they are finalized are declared in `hf_rlloss.metrics`.
 
-_A = "rollout_is_acc/"
-MASK_TOKENS = _A + "mask_tokens"  # valid (mask) tokens, finite or not
-VALID_TOKENS = _A + "valid_tokens"  # valid tokens with finite log-probs: N
-SEQUENCES = _A + "sequences"  # sequences with at least one valid finite token: K (counted on SP rank 0)
-NONFINITE_TOKENS = _A + "nonfinite_tokens"
+# Per-sequence columns summed with one index_add_ (and one all-reduce over the SP group), by name.
+_SEQ_COLUMNS = ("tokens", "mask_tokens", "delta", "old", "rollout", "rho", "catastrophic", "outside_band")
 
-_TOKEN_SUMS = (
-    "rejected_tokens",
-    "delta_sum",
-    "abs_delta_sum",
-    "k3_sum",
-    "rho_token_sq_sum",
-    "weight_sum",
-    "clamped_weight_sum",
-    "clamped_weight_sq_sum",
-    "high_tokens",
-    "low_tokens",
-    "masked_tokens",
-    "catastrophic_tokens",
-    "kept_mass_sum",
-)
-_SEQ_SUMS = (
-    "training_ppl_sum",
-    "training_log_ppl_sum",
-    "rollout_ppl_sum",
-    "rollout_log_ppl_sum",
-    "log_ppl_diff_sum",
-    "log_ppl_abs_diff_sum",
-    "ppl_ratio_sum",
-    "seq_rho_sq_sum",
-    "seq_weight_sum",
-    "seq_weight_sq_sum",
-    "high_sequences",
-    "low_sequences",
-    "masked_sequences",
-    "vetoed_sequences",
-)
-_MAXES = ("weight_max", "log_ppl_diff_max", "seq_weight_max", "seq_max_deviation")
-_MINS = ("weight_min", "log_ppl_diff_min", "seq_weight_min", "kept_mass_min")
 
-ACCUMULATED_KEYS: dict[str, Reduction] = {
-    MASK_TOKENS: Reduction.SUM,
-    VALID_TOKENS: Reduction.SUM,
-    SEQUENCES: Reduction.SUM,
-    NONFINITE_TOKENS: Reduction.SUM,
-    **{_A + k: Reduction.SUM for k in _TOKEN_SUMS + _SEQ_SUMS},
-    **{_A + k: Reduction.MAX for k in _MAXES},
-    **{_A + k: Reduction.MIN for k in _MINS},
-}
-for _key, _kind in ACCUMULATED_KEYS.items():
-    register_metric(_key, _kind)
+@dataclass
+class _Tokens:
+    """The valid tokens with finite log-probs (the set V), flat, at the flat positions `pos` of the micro-batch."""
 
-# Per-sequence columns summed with index_add_ (and over the SP group).
-_COL_N, _COL_MASK, _COL_DELTA, _COL_OLD, _COL_ROLL, _COL_RHO, _COL_CAT, _COL_OUT = range(8)
-_NUM_COLS = 8
+    mask: torch.Tensor  # (B·T,) bool: every valid token, finite or not
+    pos: torch.Tensor  # (N,) flat positions of V
+    ids: torch.Tensor  # (N,) sequence of each token
+    mask_ids: torch.Tensor  # (M,) sequence of each valid token, finite or not
+    old: torch.Tensor  # (N,) float64 log π_old
+    rollout: torch.Tensor  # (N,) float64 log μ
+    delta: torch.Tensor  # (N,) δ = log π_old − log μ
+    clamped: torch.Tensor  # (N,) δ̂ = clamp(δ, ±SAFETY_BOUND)
+    rho: torch.Tensor  # (N,) ρ_t = exp(δ̂)
+    catastrophic: torch.Tensor  # (N,) bool: ρ_t (unclamped) outside the veto bounds
+    outside_band: torch.Tensor  # (N,) bool: ρ_t outside the mask band (token level only)
+
+
+@dataclass
+class _Decision:
+    """The level's ratio and what is rejected: per token of V and per sequence."""
+
+    rho: torch.Tensor  # (N,) ρ of each token: ρ_t, or its sequence's ρ_i
+    seq_rho: torch.Tensor  # (S,) s_i
+    keep: torch.Tensor  # (N,) bool
+    masked: torch.Tensor  # (N,) bool: rejected by the mask band
+    seq_masked: torch.Tensor  # (S,) bool
+    vetoed: torch.Tensor  # (S,) bool
+
+
+def _check_inputs(named: dict[str, torch.Tensor | None], mask: torch.Tensor, seq_ids: torch.Tensor) -> None:
+    shape = tuple(mask.shape)
+    if len(shape) != 2:
+        raise ValueError(f"mask must be 2-D (B, T); got shape {shape}")
+    for name, value in named.items():
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)} but mask has shape {shape}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor; got {mask.dtype}")
+    if seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
+        raise ValueError(f"seq_ids must be an integer tensor; got {seq_ids.dtype}")
+
+
+def _valid_finite_tokens(
+    cfg: RolloutImportanceSampling, old_logprobs, rollout_logprobs, mask, seq_ids, num_sequences: int
+) -> _Tokens:
+    """Gather V (valid tokens whose old and rollout log-probs are finite) and their token-level ratios, from the
+    `(B, T)` inputs of `compute_rollout_is`."""
+    flat_mask = mask.reshape(-1)
+    flat_old = old_logprobs.detach().reshape(-1).to(torch.float64)
+    flat_rollout = rollout_logprobs.detach().reshape(-1).to(torch.float64)
+    pos = (flat_mask & torch.isfinite(flat_old) & torch.isfinite(flat_rollout)).nonzero().squeeze(-1)
+    mask_ids = seq_ids.reshape(-1)[flat_mask].long()
+    if mask_ids.numel() and (int(mask_ids.min()) < 0 or int(mask_ids.max()) >= num_sequences):
+        raise ValueError(f"seq_ids at valid tokens must lie in [0, num_sequences={num_sequences})")
+    old, rollout = flat_old[pos], flat_rollout[pos]
+    delta = old - rollout
+    clamped = delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    rho = clamped.exp()
+    catastrophic = torch.zeros_like(delta, dtype=torch.bool)
+    if cfg.veto_lower is not None:
+        catastrophic |= delta < math.log(cfg.veto_lower)
+    if cfg.veto_upper is not None:
+        catastrophic |= delta > math.log(cfg.veto_upper)
+    band = cfg.mask_bounds
+    outside_band = torch.zeros_like(catastrophic)
+    if band is not None and cfg.level == "token":
+        outside_band = (rho < band[0]) | (rho > band[1])
+    ids = seq_ids.reshape(-1)[pos].long()
+    return _Tokens(flat_mask, pos, ids, mask_ids, old, rollout, delta, clamped, rho, catastrophic, outside_band)
+
+
+def _sequence_sums(tokens: _Tokens, num_sequences: int, sp_mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
+    """`_SEQ_COLUMNS` summed over each whole sequence (all SP shards): `(S,)` float64 each."""
+    f64 = torch.float64
+    values = {
+        "tokens": torch.ones_like(tokens.delta),
+        "mask_tokens": torch.zeros_like(tokens.delta),  # counted below, over the valid tokens finite or not
+        "delta": tokens.delta,
+        "old": tokens.old,
+        "rollout": tokens.rollout,
+        "rho": tokens.rho,
+        "catastrophic": tokens.catastrophic.to(f64),
+        "outside_band": tokens.outside_band.to(f64),
+    }
+    columns = torch.stack([values[name] for name in _SEQ_COLUMNS], dim=1)  # (N, C)
+    per_seq = torch.zeros(num_sequences, len(_SEQ_COLUMNS), dtype=f64, device=columns.device)
+    per_seq.index_add_(0, tokens.ids, columns)
+    mask_column = _SEQ_COLUMNS.index("mask_tokens")
+    per_seq[:, mask_column].index_add_(0, tokens.mask_ids, torch.ones_like(tokens.mask_ids, dtype=f64))
+    if sp_size(sp_mesh) > 1:
+        all_reduce(per_seq, group=sp_group(sp_mesh))
+    return dict(zip(_SEQ_COLUMNS, per_seq.unbind(1)))
+
+
+def _ratios_and_keep(cfg: RolloutImportanceSampling, tokens: _Tokens, seqs: dict[str, torch.Tensor]) -> _Decision:
+    """The level's ratio ρ (safety-bounded, before truncation and rejection) and the rejection, on V."""
+    nonempty = seqs["tokens"] > 0
+    n_safe = seqs["tokens"].clamp(min=1)
+    if cfg.level == "token":
+        seq_rho = seqs["rho"] / n_safe  # s_i: mean token ratio of the sequence
+        rho = tokens.rho
+    else:
+        log_rho = seqs["delta"] if cfg.level == "sequence" else seqs["delta"] / n_safe
+        seq_rho = log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+        rho = seq_rho[tokens.ids]
+    keep = torch.ones_like(tokens.delta, dtype=torch.bool)
+    masked = torch.zeros_like(keep)
+    seq_masked = torch.zeros_like(nonempty)
+    band = cfg.mask_bounds
+    if band is not None:
+        if cfg.level == "token":
+            masked = tokens.outside_band
+            seq_masked = nonempty & (seqs["outside_band"] > 0)
+        else:
+            seq_masked = nonempty & ((seq_rho < band[0]) | (seq_rho > band[1]))
+            masked = seq_masked[tokens.ids]
+        keep &= ~masked
+    vetoed = nonempty & (seqs["catastrophic"] > 0)
+    if cfg.has_veto:
+        keep &= ~vetoed[tokens.ids]
+    return _Decision(rho, seq_rho, keep, masked, seq_masked, vetoed)
+
+
+def _scatter(tokens: _Tokens, values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`(B, T)` tensor with `values` at the positions of V and zero (False) elsewhere."""
+    flat = torch.zeros(tokens.mask.numel(), dtype=values.dtype, device=values.device)
+    flat[tokens.pos] = values
+    return flat.reshape(shape)
+
+
+def _weights(cfg: RolloutImportanceSampling, decision: _Decision) -> torch.Tensor | None:
+    """`(N,)` IS weights on V: the ratio (truncated unless `mode="mask"`), 0 at rejected tokens; `None` if off."""
+    if not cfg.enabled:
+        return None
+    weight = decision.rho
+    if cfg.mode != "mask":
+        lower, upper = cfg.bounds
+        weight = weight.clamp(min=lower if cfg.truncate_lower else None, max=upper)
+    return torch.where(decision.keep, weight, 0.0)
 
 
 def _masked_extreme(values: torch.Tensor, keep: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -291,6 +356,93 @@ def _masked_extreme(values: torch.Tensor, keep: torch.Tensor, largest: bool) -> 
     return chosen.max() if largest else chosen.min()
 
 
+def _token_metrics(
+    cfg: RolloutImportanceSampling, tokens: _Tokens, decision: _Decision, kept_logmass: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Sums, counts and extrema over the local tokens of V (disjoint across SP shards)."""
+    f64 = torch.float64
+    rho, everywhere = decision.rho, torch.ones_like(decision.keep)
+    bounds = cfg.bounds
+    clamped_weight = rho if bounds is None else rho.clamp(bounds[0], bounds[1])
+    mask_tokens = tokens.mask.sum().to(f64)
+    valid_tokens = torch.tensor(float(tokens.pos.numel()), dtype=f64, device=rho.device)
+    metrics = {
+        IS_MASK_TOKENS: mask_tokens,
+        IS_VALID_TOKENS: valid_tokens,
+        IS_NONFINITE_TOKENS: mask_tokens - valid_tokens,
+        ROLLOUT_IS_ACC + "rejected_tokens": mask_tokens - decision.keep.sum().to(f64),
+        ROLLOUT_IS_ACC + "delta_sum": tokens.delta.sum(),
+        ROLLOUT_IS_ACC + "abs_delta_sum": tokens.delta.abs().sum(),
+        ROLLOUT_IS_ACC + "k3_sum": (tokens.rho - tokens.clamped - 1).sum(),
+        ROLLOUT_IS_ACC + "rho_token_sq_sum": tokens.rho.square().sum(),
+        ROLLOUT_IS_ACC + "weight_sum": rho.sum(),
+        ROLLOUT_IS_ACC + "clamped_weight_sum": clamped_weight.sum(),
+        ROLLOUT_IS_ACC + "clamped_weight_sq_sum": clamped_weight.square().sum(),
+        ROLLOUT_IS_ACC + "weight_max": _masked_extreme(rho, everywhere, largest=True),
+        ROLLOUT_IS_ACC + "weight_min": _masked_extreme(rho, everywhere, largest=False),
+    }
+    if bounds is not None:
+        metrics[ROLLOUT_IS_ACC + "high_tokens"] = (rho > bounds[1]).sum().to(f64)
+        metrics[ROLLOUT_IS_ACC + "low_tokens"] = (rho < bounds[0]).sum().to(f64)
+    if cfg.mask_bounds is not None:
+        metrics[ROLLOUT_IS_ACC + "masked_tokens"] = decision.masked.sum().to(f64)
+    if cfg.has_veto:
+        metrics[ROLLOUT_IS_ACC + "catastrophic_tokens"] = tokens.catastrophic.sum().to(f64)
+    if kept_logmass is not None:
+        kept_mass = kept_logmass.detach().reshape(-1)[tokens.pos].to(f64).exp()
+        metrics[ROLLOUT_IS_ACC + "kept_mass_sum"] = kept_mass.sum()
+        metrics[ROLLOUT_IS_ACC + "kept_mass_min"] = _masked_extreme(kept_mass, everywhere, largest=False)
+    return metrics
+
+
+def _sequence_metrics(
+    cfg: RolloutImportanceSampling, seqs: dict[str, torch.Tensor], decision: _Decision, sp_mesh: DeviceMesh | None
+) -> dict[str, torch.Tensor]:
+    """Sums and extrema over the non-empty sequences, each counted once (on SP rank 0)."""
+    nonempty = seqs["tokens"] > 0
+    n_safe = seqs["tokens"].clamp(min=1)
+    counted = nonempty if sp_rank(sp_mesh) == 0 else torch.zeros_like(nonempty)
+
+    def seq_sum(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(counted, values, 0.0).sum()
+
+    seq_rho = decision.seq_rho
+    training_log_ppl = -seqs["old"] / n_safe
+    rollout_log_ppl = -seqs["rollout"] / n_safe
+    log_ppl_diff = training_log_ppl - rollout_log_ppl  # mean log μ − mean log π_old = −mean δ
+    sums = {
+        "training_ppl_sum": training_log_ppl.exp(),
+        "training_log_ppl_sum": training_log_ppl,
+        "rollout_ppl_sum": rollout_log_ppl.exp(),
+        "rollout_log_ppl_sum": rollout_log_ppl,
+        "log_ppl_diff_sum": log_ppl_diff,
+        "log_ppl_abs_diff_sum": log_ppl_diff.abs(),
+        "ppl_ratio_sum": log_ppl_diff.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp(),
+        "seq_rho_sq_sum": (2 * seqs["delta"].clamp(-SAFETY_BOUND, SAFETY_BOUND)).exp(),
+        "seq_weight_sum": seq_rho,
+        "seq_weight_sq_sum": seq_rho.square(),
+    }
+    if cfg.bounds is not None:
+        sums["high_sequences"] = (seq_rho > cfg.bounds[1]).to(torch.float64)
+        sums["low_sequences"] = (seq_rho < cfg.bounds[0]).to(torch.float64)
+    if cfg.mask_bounds is not None:
+        sums["masked_sequences"] = decision.seq_masked.to(torch.float64)
+    if cfg.has_veto:
+        sums["vetoed_sequences"] = decision.vetoed.to(torch.float64)
+    extrema = {
+        "log_ppl_diff_max": (log_ppl_diff, True),
+        "log_ppl_diff_min": (log_ppl_diff, False),
+        "seq_weight_max": (seq_rho, True),
+        "seq_weight_min": (seq_rho, False),
+        "seq_max_deviation": ((seq_rho - 1).abs(), True),
+    }
+    metrics = {IS_SEQUENCES: counted.sum().to(torch.float64)}
+    metrics.update({ROLLOUT_IS_ACC + name: seq_sum(values) for name, values in sums.items()})
+    for name, (values, largest) in extrema.items():
+        metrics[ROLLOUT_IS_ACC + name] = _masked_extreme(values, nonempty, largest=largest)
+    return metrics
+
+
 @torch.no_grad()
 def compute_rollout_is(
     cfg: RolloutImportanceSampling,
@@ -299,7 +451,6 @@ def compute_rollout_is(
     mask: torch.Tensor,
     seq_ids: torch.Tensor,
     num_sequences: int,
-    seq_token_counts: torch.Tensor | None = None,
     sp_mesh: DeviceMesh | None = None,
     kept_logmass: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
@@ -316,8 +467,6 @@ def compute_rollout_is(
         seq_ids (`torch.Tensor`): `(B, T)` int64 index of each position's sequence in `[0, num_sequences)` (row index
             of a padded batch, segment index of a packed row); -1 (or anything) where `mask` is false.
         num_sequences (`int`): number of sequences of the micro-batch (the whole micro-batch under SP).
-        seq_token_counts (`torch.Tensor`, *optional*): `(num_sequences,)` valid tokens of each whole sequence, if the
-            caller already has them; they are checked against `mask` (a `ValueError` on disagreement).
         sp_mesh (`DeviceMesh`, *optional*): 1-D sequence-parallel mesh; shards of one sequence lie on consecutive
             ranks of it, and per-sequence sums are all-reduced over it.
         kept_logmass (`torch.Tensor`, *optional*): `(B, T)` log of the probability mass the sampling truncation
@@ -330,220 +479,20 @@ def compute_rollout_is(
         of `mask & ~keep` into `ignore_idx`, in a new tensor); `metrics` 0-dim float64 tensors to merge with
         `accumulate_metrics` and reduce with :func:`finalize_rollout_is_metrics` once per optimizer step.
     """
-    shape = tuple(mask.shape)
-    if len(shape) != 2:
-        raise ValueError(f"mask must be 2-D (B, T); got shape {shape}")
-    named = [("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs), ("seq_ids", seq_ids)]
-    if kept_logmass is not None:
-        named.append(("kept_logmass", kept_logmass))
-    for name, value in named:
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(value.shape)} but mask has shape {shape}")
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor; got {mask.dtype}")
-    if seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool:
-        raise ValueError(f"seq_ids must be an integer tensor; got {seq_ids.dtype}")
+    named = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs, "seq_ids": seq_ids}
+    _check_inputs({**named, "kept_logmass": kept_logmass}, mask, seq_ids)
     num_sequences = int(num_sequences)
-    device = old_logprobs.device
-    f64 = torch.float64
-    lo_hi = cfg.bounds
-    mask_band = cfg.mask_bounds
-    sp = sp_size(sp_mesh)
-
-    flat_mask = mask.reshape(-1)
-    flat_old = old_logprobs.detach().reshape(-1).to(f64)
-    flat_roll = rollout_logprobs.detach().reshape(-1).to(f64)
-    finite = flat_mask & torch.isfinite(flat_old) & torch.isfinite(flat_roll)
-    pos = finite.nonzero().squeeze(-1)  # flat positions of the valid finite tokens: V
-    ids = seq_ids.reshape(-1)[pos].long()
-    mask_ids = seq_ids.reshape(-1)[flat_mask].long()
-    if mask_ids.numel() and (int(mask_ids.min()) < 0 or int(mask_ids.max()) >= num_sequences):
-        raise ValueError(f"seq_ids at valid tokens must lie in [0, num_sequences={num_sequences})")
-
-    old = flat_old[pos]
-    roll = flat_roll[pos]
-    delta = old - roll
-    clamped = delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    rho_token = clamped.exp()
-
-    catastrophic = torch.zeros_like(delta, dtype=torch.bool)
-    if cfg.veto_lower is not None:
-        catastrophic |= delta < math.log(cfg.veto_lower)
-    if cfg.veto_upper is not None:
-        catastrophic |= delta > math.log(cfg.veto_upper)
-    outside_token = torch.zeros_like(catastrophic)
-    if mask_band is not None and cfg.level == "token":
-        outside_token = (rho_token < mask_band[0]) | (rho_token > mask_band[1])
-
-    # Per-sequence sums over the whole sequence (all SP shards): one index_add_ and one all-reduce.
-    columns = torch.stack(
-        [torch.ones_like(delta), torch.zeros_like(delta), delta, old, roll, rho_token, catastrophic.to(f64)]
-        + [outside_token.to(f64)],
-        dim=1,
-    )
-    per_seq = torch.zeros(num_sequences, _NUM_COLS, dtype=f64, device=device).index_add_(0, ids, columns)
-    mask_counts = torch.zeros(num_sequences, dtype=f64, device=device)
-    per_seq[:, _COL_MASK] = mask_counts.index_add_(0, mask_ids, torch.ones_like(mask_ids, dtype=f64))
-    if sp > 1:
-        all_reduce(per_seq, group=sp_group(sp_mesh))
-    if seq_token_counts is not None:
-        given = torch.as_tensor(seq_token_counts, device=device).to(f64).reshape(-1)
-        if given.shape != (num_sequences,) or not torch.equal(given, per_seq[:, _COL_MASK]):
-            raise ValueError(
-                f"seq_token_counts {given.tolist()} disagree with the valid tokens per sequence of mask "
-                f"{per_seq[:, _COL_MASK].tolist()}"
-            )
-
-    n = per_seq[:, _COL_N]
-    nonempty = n > 0
-    n_safe = n.clamp(min=1)
-    seq_delta = per_seq[:, _COL_DELTA]
-    seq_mean_delta = seq_delta / n_safe
-
-    # The level's ratio ρ (safety-bounded, before truncation and rejection), per sequence and per token.
-    if cfg.level == "token":
-        seq_rho = per_seq[:, _COL_RHO] / n_safe  # s_i: mean token ratio of the sequence
-        rho = rho_token
-    else:
-        seq_rho = (seq_delta if cfg.level == "sequence" else seq_mean_delta).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
-        rho = seq_rho[ids]
-
-    # Rejection, on V (non-finite tokens are rejected outright).
-    keep_v = torch.ones_like(delta, dtype=torch.bool)
-    seq_masked = torch.zeros(num_sequences, dtype=torch.bool, device=device)
-    masked_v = torch.zeros_like(keep_v)
-    if mask_band is not None:
-        if cfg.level == "token":
-            masked_v = outside_token
-            seq_masked = nonempty & (per_seq[:, _COL_OUT] > 0)
-        else:
-            seq_masked = nonempty & ((seq_rho < mask_band[0]) | (seq_rho > mask_band[1]))
-            masked_v = seq_masked[ids]
-        keep_v &= ~masked_v
-    vetoed = nonempty & (per_seq[:, _COL_CAT] > 0)
-    if cfg.has_veto:
-        keep_v &= ~vetoed[ids]
-
-    flat_keep = torch.zeros_like(flat_mask)
-    flat_keep[pos] = keep_v
-    keep = flat_keep.reshape(shape)
-
-    weights = None
-    if cfg.enabled:
-        weight = rho
-        if cfg.mode != "mask":
-            weight = weight.clamp(min=lo_hi[0] if cfg.truncate_lower else None, max=lo_hi[1])
-        flat_weights = torch.zeros(flat_mask.numel(), dtype=f64, device=device)
-        flat_weights[pos] = torch.where(keep_v, weight, 0.0)
-        weights = flat_weights.reshape(shape).to(torch.promote_types(old_logprobs.dtype, torch.float32))
-
-    # ---- metrics: token sums over the local tokens (disjoint across shards) ----
-    def scalar(value: float | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(value, dtype=f64, device=device).reshape(())
-
-    clamped_weight = rho if lo_hi is None else rho.clamp(lo_hi[0], lo_hi[1])
-    m: dict[str, torch.Tensor] = {
-        MASK_TOKENS: scalar(float(flat_mask.sum())),
-        VALID_TOKENS: scalar(float(pos.numel())),
-        NONFINITE_TOKENS: scalar(float(flat_mask.sum()) - float(pos.numel())),
-        _A + "rejected_tokens": scalar(float(flat_mask.sum()) - float(keep_v.sum())),
-        _A + "delta_sum": delta.sum(),
-        _A + "abs_delta_sum": delta.abs().sum(),
-        _A + "k3_sum": (rho_token - clamped - 1).sum(),
-        _A + "rho_token_sq_sum": rho_token.square().sum(),
-        _A + "weight_sum": rho.sum(),
-        _A + "clamped_weight_sum": clamped_weight.sum(),
-        _A + "clamped_weight_sq_sum": clamped_weight.square().sum(),
-        _A + "weight_max": _masked_extreme(rho, torch.ones_like(keep_v), largest=True),
-        _A + "weight_min": _masked_extreme(rho, torch.ones_like(keep_v), largest=False),
-    }
-    if lo_hi is not None:
-        m[_A + "high_tokens"] = (rho > lo_hi[1]).sum().to(f64)
-        m[_A + "low_tokens"] = (rho < lo_hi[0]).sum().to(f64)
-    if mask_band is not None:
-        m[_A + "masked_tokens"] = masked_v.sum().to(f64)
-    if cfg.has_veto:
-        m[_A + "catastrophic_tokens"] = catastrophic.sum().to(f64)
-    if kept_logmass is not None:
-        kept_mass = kept_logmass.detach().reshape(-1)[pos].to(f64).exp()
-        m[_A + "kept_mass_sum"] = kept_mass.sum()
-        m[_A + "kept_mass_min"] = _masked_extreme(kept_mass, torch.ones_like(keep_v), largest=False)
-
-    # ---- metrics: sequence sums over non-empty sequences, counted once (on SP rank 0) ----
-    counted = nonempty if sp_rank(sp_mesh) == 0 else torch.zeros_like(nonempty)
-
-    def seq_sum(values: torch.Tensor) -> torch.Tensor:
-        return torch.where(counted, values, 0.0).sum()
-
-    training_log_ppl = -per_seq[:, _COL_OLD] / n_safe
-    rollout_log_ppl = -per_seq[:, _COL_ROLL] / n_safe
-    log_ppl_diff = training_log_ppl - rollout_log_ppl  # mean log μ − mean log π_old = −mean δ
-    m.update(
-        {
-            SEQUENCES: counted.sum().to(f64),
-            _A + "training_ppl_sum": seq_sum(training_log_ppl.exp()),
-            _A + "training_log_ppl_sum": seq_sum(training_log_ppl),
-            _A + "rollout_ppl_sum": seq_sum(rollout_log_ppl.exp()),
-            _A + "rollout_log_ppl_sum": seq_sum(rollout_log_ppl),
-            _A + "log_ppl_diff_sum": seq_sum(log_ppl_diff),
-            _A + "log_ppl_abs_diff_sum": seq_sum(log_ppl_diff.abs()),
-            _A + "ppl_ratio_sum": seq_sum(log_ppl_diff.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()),
-            _A + "seq_rho_sq_sum": seq_sum((2 * seq_delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)).exp()),
-            _A + "seq_weight_sum": seq_sum(seq_rho),
-            _A + "seq_weight_sq_sum": seq_sum(seq_rho.square()),
-            _A + "log_ppl_diff_max": _masked_extreme(log_ppl_diff, nonempty, largest=True),
-            _A + "log_ppl_diff_min": _masked_extreme(log_ppl_diff, nonempty, largest=False),
-            _A + "seq_weight_max": _masked_extreme(seq_rho, nonempty, largest=True),
-            _A + "seq_weight_min": _masked_extreme(seq_rho, nonempty, largest=False),
-            _A + "seq_max_deviation": _masked_extreme((seq_rho - 1).abs(), nonempty, largest=True),
-        }
-    )
-    if lo_hi is not None:
-        m[_A + "high_sequences"] = seq_sum((seq_rho > lo_hi[1]).to(f64))
-        m[_A + "low_sequences"] = seq_sum((seq_rho < lo_hi[0]).to(f64))
-    if mask_band is not None:
-        m[_A + "masked_sequences"] = seq_sum(seq_masked.to(f64))
-    if cfg.has_veto:
-        m[_A + "vetoed_sequences"] = seq_sum(vetoed.to(f64))
-    return weights, keep, m
-
-
-# finalized name -> (numerator, denominator, offset): value = numerator / denominator + offset, 0.0 if count is 0.
-_TOKEN_MEANS = {
-    "mismatch/mismatch_kl": ("delta_sum", -1.0),
-    "mismatch/mismatch_k3_kl": ("k3_sum", 1.0),
-    "mismatch/mismatch_logprob_abs_diff": ("abs_delta_sum", 1.0),
-    "rollout_is/mean": ("weight_sum", 1.0),
-    "rollout_is/fraction_high": ("high_tokens", 1.0),
-    "rollout_is/fraction_low": ("low_tokens", 1.0),
-    "rollout_is/masked_fraction": ("masked_tokens", 1.0),
-    "rollout_is/catastrophic_token_fraction": ("catastrophic_tokens", 1.0),
-    "mismatch/kept_mass_mean": ("kept_mass_sum", 1.0),
-}
-_SEQ_MEANS = {
-    "mismatch/mismatch_training_ppl": "training_ppl_sum",
-    "mismatch/mismatch_training_log_ppl": "training_log_ppl_sum",
-    "mismatch/mismatch_rollout_ppl": "rollout_ppl_sum",
-    "mismatch/mismatch_rollout_log_ppl": "rollout_log_ppl_sum",
-    "mismatch/mismatch_log_ppl_diff": "log_ppl_diff_sum",
-    "mismatch/mismatch_log_ppl_abs_diff": "log_ppl_abs_diff_sum",
-    "mismatch/mismatch_ppl_ratio": "ppl_ratio_sum",
-    "rollout_is/seq_mean": "seq_weight_sum",
-    "rollout_is/seq_fraction_high": "high_sequences",
-    "rollout_is/seq_fraction_low": "low_sequences",
-    "rollout_is/seq_masked_fraction": "masked_sequences",
-    "rollout_is/veto_fraction": "vetoed_sequences",
-}
-_EXTREMA = {
-    "mismatch/mismatch_log_ppl_diff_max": ("log_ppl_diff_max", SEQUENCES),
-    "mismatch/mismatch_log_ppl_diff_min": ("log_ppl_diff_min", SEQUENCES),
-    "rollout_is/max": ("weight_max", VALID_TOKENS),
-    "rollout_is/min": ("weight_min", VALID_TOKENS),
-    "rollout_is/seq_max": ("seq_weight_max", SEQUENCES),
-    "rollout_is/seq_min": ("seq_weight_min", SEQUENCES),
-    "rollout_is/seq_max_deviation": ("seq_max_deviation", SEQUENCES),
-    "mismatch/kept_mass_min": ("kept_mass_min", VALID_TOKENS),
-}
+    shape = tuple(mask.shape)
+    tokens = _valid_finite_tokens(cfg, old_logprobs, rollout_logprobs, mask, seq_ids, num_sequences)
+    seqs = _sequence_sums(tokens, num_sequences, sp_mesh)
+    decision = _ratios_and_keep(cfg, tokens, seqs)
+    keep = _scatter(tokens, decision.keep, shape)
+    weights = _weights(cfg, decision)
+    if weights is not None:
+        weights = _scatter(tokens, weights, shape).to(torch.promote_types(old_logprobs.dtype, torch.float32))
+    metrics = _token_metrics(cfg, tokens, decision, kept_logmass)
+    metrics.update(_sequence_metrics(cfg, seqs, decision, sp_mesh))
+    return weights, keep, metrics
 
 
 def finalize_rollout_is_metrics(
@@ -555,7 +504,7 @@ def finalize_rollout_is_metrics(
 
     Collective when distributed: every rank of `group` must call it with the same configuration (hence the same
     keys). One all-reduce per reduction kind, for the rollout-IS keys only; other keys of `accumulated` are ignored
-    (finalize them separately, e.g. with `finalize_train_policy_metrics`).
+    (finalize them separately, e.g. with `finalize_train_policy_metrics`, which also finalizes these).
 
     Args:
         accumulated (`dict`): the metrics of `compute_rollout_is` over the micro-batches of one optimizer step on this
@@ -564,48 +513,10 @@ def finalize_rollout_is_metrics(
         group (`ProcessGroup`, *optional*): every rank of the step (data × sequence parallel); defaults to the world.
 
     Returns:
-        `dict[str, float]`: the `mismatch/*` and `rollout_is/*` metrics of the module docstring, finite; `{}` when
-        `accumulated` holds no rollout-IS key.
+        `dict[str, float]`: the `mismatch/*` and `rollout_is/*` metrics (see `hf_rlloss.metrics.metrics_table`),
+        finite; `{}` when `accumulated` holds no rollout-IS key.
     """
-    values = {k: v for k, v in accumulated.items() if k in ACCUMULATED_KEYS}
+    values = {k: v for k, v in accumulated.items() if k.startswith(ROLLOUT_IS_ACC)}
     if not values:
         return {}
-    return rollout_is_metrics_from_reduced(reduce_metrics(values, device, group))
-
-
-@register_finalizer
-def rollout_is_metrics_from_reduced(r: dict[str, float]) -> dict[str, float]:
-    """The final `mismatch/*` and `rollout_is/*` metrics from already all-reduced accumulator values (`{}` if none).
-
-    Registered with `register_finalizer`, so `finalize_train_policy_metrics` reports them with the same collectives.
-    """
-    if VALID_TOKENS not in r:
-        return {}
-    tokens = r.get(VALID_TOKENS, 0.0)
-    sequences = r.get(SEQUENCES, 0.0)
-
-    def ratio(num: float, den: float) -> float:
-        return num / den if den > 0 else 0.0
-
-    out: dict[str, float] = {}
-    for name, (key, sign) in _TOKEN_MEANS.items():
-        if _A + key in r:
-            out[name] = sign * ratio(r[_A + key], tokens)
-    for name, key in _SEQ_MEANS.items():
-        if _A + key in r:
-            out[name] = ratio(r[_A + key], sequences)
-    for name, (key, count) in _EXTREMA.items():
-        if _A + key in r:
-            out[name] = r[_A + key] if r.get(count, 0.0) > 0 else 0.0
-
-    sum_w, sum_w2 = r[_A + "clamped_weight_sum"], r[_A + "clamped_weight_sq_sum"]
-    out["rollout_is/std"] = math.sqrt(max(ratio(sum_w2, tokens) - ratio(sum_w, tokens) ** 2, 0.0))
-    out["rollout_is/eff_sample_size"] = ratio(sum_w * sum_w, tokens * sum_w2) if sum_w2 > 0 else 0.0
-    out["mismatch/mismatch_chi2_token"] = ratio(r[_A + "rho_token_sq_sum"], tokens) - 1.0 if tokens > 0 else 0.0
-    out["mismatch/mismatch_chi2_seq"] = ratio(r[_A + "seq_rho_sq_sum"], sequences) - 1.0 if sequences > 0 else 0.0
-    s1, s2 = r[_A + "seq_weight_sum"], r[_A + "seq_weight_sq_sum"]
-    seq_var = (s2 - s1 * s1 / sequences) / (sequences - 1) if sequences > 1 else 0.0
-    out["rollout_is/seq_std"] = math.sqrt(max(seq_var, 0.0))
-    out["rollout_is/rejected_token_fraction"] = ratio(r[_A + "rejected_tokens"], r[MASK_TOKENS])
-    out["rollout_is/nonfinite_tokens"] = r[NONFINITE_TOKENS]
-    return dict(sorted(out.items()))
+    return dict(sorted(finalize_reduced(reduce_metrics(values, device, group)).items()))

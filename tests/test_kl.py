@@ -66,3 +66,28 @@ def test_compute_kl_loss_weight():
     w = compute_kl_loss_weight(labels, torch.tensor(8), 0.5)
     torch.testing.assert_close(w, torch.tensor([[1 / 16, 0, 1 / 16], [0, 1 / 16, 1 / 16]]))
     torch.testing.assert_close(compute_kl_loss_weight(labels, 4, 1.0, ignore_idx=5)[0], torch.tensor([0, 0.25, 0.25]))
+
+
+def test_compute_kl_loss_weight_is_the_layers_token_mean_weight():
+    # The layer's KL weights (aggregation weights × coefficient, set by build_batches) equal XTuner's helper in
+    # token-mean, on every micro-batch of a step; in a sequence mode they differ (per-sequence weights).
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+
+    labels = [torch.tensor([[1, 2, -100], [3, -100, -100]]), torch.tensor([[1, 1, 1, 2]])]
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        cfg = GRPOLossConfig(use_kl_loss=True, kl_loss_type="k1", kl_loss_coef=0.3, loss_agg_mode=mode)
+        contexts = [
+            cfg.build(
+                {"shifted_labels": lab, "advantages": torch.ones(lab.shape[0]), "ref_logprobs": torch.zeros(lab.shape)}
+            )
+            for lab in labels
+        ]
+        GRPOLossContext.build_batches(contexts)
+        for ctx, lab in zip(contexts, labels):
+            kwargs = ctx.loss_kwargs
+            helper = compute_kl_loss_weight(lab, kwargs.global_grad_tokens, 0.3)
+            assert float(kwargs.global_grad_tokens) == 7
+            if mode == "token-mean":
+                torch.testing.assert_close(kwargs.kl_loss_weight, helper)
+            else:
+                assert not torch.allclose(kwargs.kl_loss_weight, helper)

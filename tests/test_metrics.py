@@ -1,6 +1,7 @@
 """Train-policy metrics: definitions, declared reductions, and the cross-process finalize."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -93,3 +94,65 @@ def test_finalize_across_processes_one_collective_per_kind(tmp_path):
 def test_reduce_metrics_single_process_is_identity_on_declared_keys():
     out = reduce_metrics({"train_policy/valid_tokens": 4.0, "undeclared": 1.0})
     assert out == {"train_policy/valid_tokens": 4.0}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One spec per key: the README table, the neutral set and what the loss layer emits all come from `METRICS`
+
+
+def test_readme_metrics_table_is_the_one_made_from_the_specs():
+    from hf_rlloss.metrics import metrics_table
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf8").read()
+    start, end = "<!-- metrics-table:start -->\n", "<!-- metrics-table:end -->"
+    assert readme.count(start) == 1 and readme.count(end) == 1
+    documented = readme.split(start)[1].split(end)[0]
+    assert documented == metrics_table(), "regenerate the README section with hf_rlloss.metrics.metrics_table()"
+    for row in documented.splitlines()[2:]:
+        assert row.count("|") == 4, f"a cell holds a pipe and breaks the table: {row}"
+
+
+def test_every_emitted_key_is_declared_and_every_logged_key_documented():
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+    from hf_rlloss.metrics import DERIVED, METRICS, metrics_table
+
+    torch.manual_seed(0)
+    labels = torch.tensor([[1, 2, 3, -100], [2, 0, 1, 3]])
+    old = -torch.rand(2, 4) - 0.5
+    cfg = GRPOLossConfig(
+        use_kl_loss=True,
+        kl_loss_type="k3",
+        off_policy_mask_threshold=0.5,
+        entropy_coef=0.01,
+        top_entropy_quantile=0.5,
+        rollout_is={"mode": "both", "upper": 2.0, "veto_lower": 1e-4},
+    )
+    data = {"shifted_labels": labels, "advantages": torch.tensor([1.0, -1.0]), "old_logprobs": old}
+    data.update(ref_logprobs=old - 0.1, rollout_logprobs=old + 0.05, rollout_kept_logmass=torch.zeros(2, 4))
+    ctx = cfg.build(data)
+    ctx.compute_rollout_is()
+    GRPOLossContext.build_batches([ctx])
+    _, emitted = ctx(hidden_states=torch.randn(2, 4, 8), head_weight=torch.randn(5, 8))
+    assert set(emitted) - {"loss/router_aux"} <= set(METRICS)  # router_aux: the trainer's, on MoE models
+    logged = set(finalize_train_policy_metrics(emitted))
+    table_keys = {row.split("`")[1] for row in metrics_table().splitlines()[2:]}
+    assert logged <= table_keys
+    expected_logged = {spec.logged_as for spec in METRICS.values() if spec.logged_as} | set(DERIVED)
+    assert table_keys == expected_logged
+    assert logged == expected_logged - {"loss/router_aux"}  # every feature on: every other key is logged
+
+
+def test_a_context_without_tokens_emits_every_key_at_its_neutral_value():
+    from hf_rlloss import GRPOLossConfig, GRPOLossContext
+    from hf_rlloss.metrics import METRICS
+
+    cfg = GRPOLossConfig(use_kl_loss=True, kl_loss_type="k1", off_policy_mask_threshold=0.5)
+    data = {"shifted_labels": torch.full((1, 3), -100), "advantages": torch.ones(1), "ref_logprobs": torch.zeros(1, 3)}
+    ctx = cfg.build(data)
+    GRPOLossContext.build_batches([ctx])
+    _, metrics = ctx(logprobs=torch.zeros(1, 3, requires_grad=True))
+    for key in ("train_policy/ref_kl_sum", "train_policy/opsm_masked_count", "loss/kl", "train_policy/ratio_max"):
+        assert key in metrics
+    for key, value in metrics.items():
+        if key != "loss/total" and METRICS[key].emitted is not None:
+            assert float(value) == METRICS[key].neutral, key
