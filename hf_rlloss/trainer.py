@@ -22,18 +22,7 @@ from datasets import IterableDataset
 from huggingface_hub import ModelCard
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, StateDictType
-from transformers import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    PreTrainedModel,
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -55,6 +44,14 @@ from .context import BaseRLLossContext
 from .fields import FROM_TRL, pad_value
 from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
+from .rollout_recording import (
+    REPLAYED_SETTINGS,
+    SampledTokenLogprobs,
+    kept_logmass_batch,
+    recording_logprobs,
+    replay_warpers,
+    unreplayable_truncation,
+)
 from .sequence_parallel import (
     build_sp_mesh,
     register_ulysses_attention,
@@ -260,86 +257,6 @@ def pack_rows(
     has_context = label_index >= starts[rows]  # a sequence's first token is not predicted from anything
     rows, cols, label_index = rows[has_context], cols[has_context], label_index[has_context]
     return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
-
-
-# transformers' logits warpers that cut the support of the sampling distribution (removed tokens get -inf). What
-# comes before them in the processor list (penalties, temperature) shapes the distribution the trainer compares with.
-TRUNCATING_WARPERS = (
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-)
-
-
-class _BeforeTruncation(LogitsProcessor):
-    """Inserted before the first truncating warper: keeps the full-vocabulary log-softmax for the recorder."""
-
-    def __init__(self, recorder: SampledTokenLogprobs):
-        self.recorder = recorder
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.recorder.full = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-
-class SampledTokenLogprobs(LogitsProcessor):
-    """Records, for each token sampled by HF ``generate``, its log-prob under the full-vocabulary sampling
-    distribution and the log of the probability mass that top-k/top-p/min-p (…) truncation kept.
-
-    Two hooks in the processor list (see `install`): `before_truncation` sits right before the first truncating
-    warper, after the penalties and the temperature, so its log-softmax is the distribution over the whole vocabulary
-    that the trainer's log-probs (with the same temperature) describe; the recorder itself comes last and sees the
-    distribution the token is drawn from, whose finite entries are the kept support ``S``. Per row it keeps
-    ``log p(v)`` `(B, V)` and ``log K = log Σ_{v∈S} p(v)`` `(B,)`; the token is only known at the next step, so each
-    call records the previous step's values (one `(B, V)` block alive at a time) and `finish` records the last one.
-    The log-prob on the sampled support is ``log p(o) − log K``.
-    """
-
-    def __init__(self):
-        self.full: torch.Tensor | None = None  # (B, V) log-softmax before truncation, set by before_truncation
-        self.previous: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.logprobs: list[torch.Tensor] = []
-        self.kept_logmass: list[torch.Tensor] = []
-        self.before_truncation = _BeforeTruncation(self)
-
-    def install(self, processors: LogitsProcessorList) -> LogitsProcessorList:
-        """Insert `before_truncation` before the first truncating warper and append the recorder (in place)."""
-        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), None)
-        if cut is not None:
-            processors.insert(cut, self.before_truncation)
-        processors.append(self)
-        return processors
-
-    def _record(self, tokens: torch.Tensor) -> None:
-        full, kept_logmass = self.previous
-        self.logprobs.append(full.gather(-1, tokens.to(full.device)[:, None]).squeeze(-1))
-        self.kept_logmass.append(kept_logmass)
-        self.previous = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.previous is not None:
-            self._record(input_ids[:, -1])
-        full = self.full if self.full is not None else torch.log_softmax(scores.float(), dim=-1)
-        cut = ~torch.isfinite(scores)
-        kept_logmass = torch.logsumexp(full.masked_fill(cut, float("-inf")), dim=-1).clamp(max=0.0)
-        # exactly 0 where nothing was cut (a float32 sum of the whole softmax is 1 only to about 1e-5 at 49k tokens)
-        kept_logmass = torch.where(cut.any(dim=-1), kept_logmass, 0.0)
-        self.previous, self.full = (full, kept_logmass), None
-        return scores
-
-    def finish(self, last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(B, generated)` full-vocabulary log-probs of the generated tokens and the kept log-masses, given the
-        `(B,)` tokens sampled at the last step."""
-        if self.previous is not None:
-            self._record(last_tokens)
-        if not self.logprobs:
-            empty = torch.zeros(last_tokens.size(0), 0)
-            return empty, empty
-        return torch.stack(self.logprobs, dim=1), torch.stack(self.kept_logmass, dim=1)
 
 
 class RLLossGRPOTrainer(GRPOTrainer):
@@ -663,17 +580,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 )
             if args.rollout_logprobs_support == "full" or mode != GenerationMode.SAMPLE:
                 return None
-            config = self.generation_config
-            settings = {name: getattr(config, name, None) for name in ("top_k", "top_p", "min_p")}
-            others = {
-                name: getattr(config, name, None)
-                for name in ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
-                if getattr(config, name, None) not in (None, 0.0, 1.0)
-            }
+            settings = {name: getattr(self.generation_config, name, None) for name in REPLAYED_SETTINGS}
+            others = unreplayable_truncation(self.generation_config)
         elif self.use_vllm or self.rollout_func is not None:
             # TRL passes top_k/top_p/min_p to vLLM; generation_kwargs may override them
             overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-            settings = {name: overrides.get(name, getattr(self, name)) for name in ("top_k", "top_p", "min_p")}
+            settings = {name: overrides.get(name, getattr(self, name)) for name in REPLAYED_SETTINGS}
             others = {}
         else:
             return None
@@ -683,14 +595,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "not "
                 f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
             )
-        warpers = LogitsProcessorList()
-        if settings["top_k"] is not None and settings["top_k"] > 0:
-            warpers.append(TopKLogitsWarper(top_k=int(settings["top_k"])))
-        if settings["top_p"] is not None and settings["top_p"] < 1.0:
-            warpers.append(TopPLogitsWarper(top_p=float(settings["top_p"])))
-        if settings["min_p"]:
-            warpers.append(MinPLogitsWarper(min_p=float(settings["min_p"])))
-        if not warpers:
+        warpers = replay_warpers(**settings)
+        if warpers is None:
             return None
         if not self._records_hf_rollout_logprobs():
             logger.warning_once(
@@ -1140,31 +1046,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
             )
         lm = self._causal_lm(self.accelerator.unwrap_model(self.model))  # the module whose generate() runs
         recorder = SampledTokenLogprobs()
-        original = lm._get_logits_processor
-        shadowed = vars(lm).get("_get_logits_processor")
-
-        def get_logits_processor(*args, **kwargs) -> LogitsProcessorList:
-            return recorder.install(original(*args, **kwargs))
-
-        lm._get_logits_processor = get_logits_processor
-        try:
+        with recording_logprobs(lm, recorder):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        finally:
-            if shadowed is None:
-                del lm._get_logits_processor
-            else:
-                lm._get_logits_processor = shadowed
-        if logprobs is None and recorder.previous is not None:
-            steps = len(recorder.logprobs) + 1
-            # rows that ran to the last step hold its token; shorter rows (ended by EOS) never use that value
-            last = torch.tensor([ids[steps - 1] if len(ids) >= steps else 0 for ids in completion_ids])
-            full, kept_logmass = (t.cpu() for t in recorder.finish(last))
-            if self.args.rollout_logprobs_support == "sampled":
-                full = full - kept_logmass  # log-probs renormalized over the kept support
-            logprobs = [full[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
-            self._recorded_kept_logmass.append([kept_logmass[i, : len(ids)] for i, ids in enumerate(completion_ids)])
+        recorded = (
+            None
+            if logprobs is not None
+            else recorder.per_completion(completion_ids, self.args.rollout_logprobs_support)
+        )
+        if recorded is not None:
+            logprobs, kept_logmass = recorded
+            self._recorded_kept_logmass.append(kept_logmass)
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
@@ -1228,13 +1121,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """`batch["rollout_kept_logmass"]` `(B, C)` from the HF-generate recorder, when one generation call produced
         every row (with tool calls a row's tokens come from several calls: the kept mass is then not reported)."""
         recorded, self._recorded_kept_logmass = self._recorded_kept_logmass, []
-        rows = batch["completion_ids"]
-        if self.tools or len(recorded) != 1 or len(recorded[0]) != rows.size(0):
-            return batch
-        kept = torch.zeros(rows.shape, dtype=torch.float32)
-        for i, values in enumerate(recorded[0]):
-            kept[i, : len(values)] = values[: rows.size(1)]
-        batch["rollout_kept_logmass"] = kept.to(rows.device)
+        kept = None if self.tools else kept_logmass_batch(recorded, batch["completion_ids"])
+        if kept is not None:
+            batch["rollout_kept_logmass"] = kept
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
