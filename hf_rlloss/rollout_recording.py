@@ -18,6 +18,7 @@ from torch import nn
 from transformers import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -26,6 +27,10 @@ from transformers import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "TRUNCATING_WARPERS",
@@ -33,6 +38,7 @@ __all__ = [
     "kept_logmass_batch",
     "recording_logprobs",
     "replay_warpers",
+    "truncation_replay",
     "unreplayable_truncation",
 ]
 
@@ -201,3 +207,57 @@ def replay_warpers(top_k: int | None, top_p: float | None, min_p: float | None) 
     if min_p:
         warpers.append(MinPLogitsWarper(min_p=float(min_p)))
     return warpers or None
+
+
+def truncation_replay(
+    recorded_by_hf: bool,
+    external_sampling: dict[str, Any] | None,
+    generation_config: GenerationConfig,
+    support: str,
+    rollout_is_enabled: bool,
+) -> LogitsProcessorList | None:
+    """The truncating warpers (top-k, top-p, min-p) the trainer replays on π_old to get the mass they keep, or
+    `None` when the rollout log-probs are compared as they are.
+
+    HF `generate` records full-vocabulary log-probs (`support="full"`: nothing to replay) or the log-probs on the
+    sampled support (`"sampled"`: π_old is renormalized over the replayed support). vLLM (`processed_logprobs`) and
+    a `rollout_func` report log-probs on the sampled support only, so with truncation they are always compared on
+    that support, whatever `support` says.
+
+    Args:
+        recorded_by_hf (`bool`): the rollout log-probs are recorded from HF `generate` (`SampledTokenLogprobs`).
+        external_sampling (`dict`, *optional*): with vLLM or a `rollout_func`, the `top_k`/`top_p`/`min_p` they
+            sample with; `None` otherwise.
+        generation_config (`GenerationConfig`): HF `generate`'s settings (read when `recorded_by_hf`).
+        support (`str`): the trainer's `rollout_logprobs_support`, `"full"` or `"sampled"`.
+        rollout_is_enabled (`bool`): `rl_loss.rollout_is` corrects for the sampling distribution (it needs one).
+    """
+    if recorded_by_hf:
+        mode = generation_config.get_generation_mode()
+        if rollout_is_enabled and mode != GenerationMode.SAMPLE:
+            raise ValueError(
+                f"rl_loss.rollout_is needs sampled completions, but the generation mode is {mode.value!r} "
+                "(generation_kwargs num_beams/do_sample): there is no sampling distribution to correct for"
+            )
+        if support == "full" or mode != GenerationMode.SAMPLE:
+            return None
+        settings = {name: getattr(generation_config, name, None) for name in REPLAYED_SETTINGS}
+        others = unreplayable_truncation(generation_config)
+    elif external_sampling is not None:
+        settings, others = external_sampling, {}
+    else:
+        return None
+    if others:
+        raise ValueError(
+            f"rollout_logprobs_support='sampled' replays top_k, top_p and min_p on the trainer's distribution, "
+            "not "
+            f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
+        )
+    warpers = replay_warpers(**settings)
+    if warpers is not None and not recorded_by_hf:
+        logger.warning_once(
+            f"sampling is truncated ({', '.join(type(w).__name__ for w in warpers)}) and the rollout log-probs of "
+            "vLLM / rollout_func are on the sampled support: rollout IS compares them with π_old renormalized "
+            "over the replayed support (rollout_logprobs_support='full' needs HF generate)"
+        )
+    return warpers

@@ -7,65 +7,66 @@ of an optimizer step is computed (see the class docstring).
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import sys
 import warnings
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from accelerate.utils import is_peft_available, is_peft_model
 from datasets import IterableDataset
 from huggingface_hub import ModelCard
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, StateDictType
+from torch.distributed.fsdp import StateDictType
 from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import (
     create_model_from_path,
-    disable_dropout_in_model,
     maybe_gather_lm_head_ctx,
     repeat_iterable_dataset,
     split_tensor_dict,
     use_adapter,
 )
 
-from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs
 from .config import BaseRLLossConfig
 from .context import BaseRLLossContext
-from .fields import FROM_TRL, pad_value
+from .engines import (
+    activation_checkpointing_disabled,
+    call_through_wrapper,
+    head_operands,
+    prepare_reference,
+    reference_source,
+)
+from .fields import FROM_TRL
 from .hub import complete_model_card
+from .lm_head import (
+    active_head,
+    causal_lm,
+    check_model_supported,
+    head_logprobs,
+    load_balancing_loss_func,
+    logit_scale,
+    with_model_softcapping,
+)
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
 from .rollout_recording import (
     REPLAYED_SETTINGS,
     SampledTokenLogprobs,
     kept_logmass_batch,
     recording_logprobs,
-    replay_warpers,
-    unreplayable_truncation,
+    truncation_replay,
 )
 from .sequence_parallel import (
     build_sp_mesh,
-    register_ulysses_attention,
-    sp_gather,
-    sp_shard_inputs,
-    sp_split,
     ulysses_sequence_parallel,
+    use_ulysses_attention,
 )
+from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
 from .trainer_config import RLLossGRPOConfig
-
-if is_peft_available():  # peft is optional: without it no head can be wrapped
-    from peft.utils.other import ModulesToSaveWrapper
-else:
-    ModulesToSaveWrapper = None
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
@@ -84,19 +85,6 @@ def _overridden(obj: Any, **values: Any) -> Iterator[None]:
             setattr(obj, name, value)
 
 
-@contextlib.contextmanager
-def _activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) -> Iterator[None]:
-    """TRL's `disable_gradient_checkpointing` with transformers 5's names (the `gradient_checkpointing*` ones warn)."""
-    was_enabled = model.is_activation_checkpointing
-    if was_enabled:
-        model.activation_checkpointing_disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-
-
 # TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring, and PEFT's `get_peft_model` (called
 # by TRL's __init__) reads one; transformers keeps them working until v6. Silenced only inside those calls
 # (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
@@ -110,153 +98,11 @@ def _trl_deprecated_aliases_silenced() -> Iterator[None]:
         yield
 
 
-def _with_model_softcapping(loss_cfg: BaseRLLossConfig, lm: nn.Module) -> BaseRLLossConfig:
-    """The loss config with `logit_softcapping` set from the model's `final_logit_softcapping` (Gemma 2) when unset,
-    so that the chunked head computes the logits the model's own forward does. A value that differs from the
-    model's is left for `_check_model_supported` to refuse."""
-    softcap = getattr(lm.config.get_text_config(), "final_logit_softcapping", None)
-    if softcap is None or loss_cfg.logit_softcapping is not None:
-        return loss_cfg
-    return loss_cfg.model_copy(update={"logit_softcapping": float(softcap)})
-
-
 def _sequences(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """`(B, P + C)` input ids and attention mask of a batch's left-padded prompts followed by its completions."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     return input_ids, attention_mask
-
-
-def _logit_scale(text_config: Any) -> float:
-    """The factor the model multiplies its logits by before the softmax (1.0 for most models), as TRL reads it."""
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else float(scale)
-
-
-def _load_balancing_loss_func(lm: nn.Module):
-    """The MoE load-balancing loss its causal-LM class computes in `forward` (transformers' per-model
-    `load_balancing_loss_func`, e.g. Switch-Transformer style for Qwen3-MoE, Mixtral, GPT-OSS)."""
-    fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
-    if fn is None or not hasattr(lm, "num_experts") or not hasattr(lm, "num_experts_per_tok"):
-        raise ValueError(
-            f"{type(lm).__name__} declares output_router_logits but its module has no load_balancing_loss_func (or "
-            "the model no num_experts / num_experts_per_tok): set router_aux_loss_coef=0.0 to train without the "
-            "router auxiliary loss"
-        )
-    return fn
-
-
-def _active_head(head: nn.Module) -> nn.Module:
-    """The module a PEFT `ModulesToSaveWrapper` around the LM head forwards to now (mirroring its `forward`): the
-    active adapter's trainable copy, or the original head while adapters are disabled; any other head as is."""
-    if ModulesToSaveWrapper is None or not isinstance(head, ModulesToSaveWrapper):
-        return head
-    active = head.active_adapters
-    if head.disable_adapters or not active or any(name not in head.modules_to_save for name in active):
-        return head.original_module
-    return head.modules_to_save[active[0]]
-
-
-# Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
-SP_WRAPPABLE_ATTENTION = ("sdpa", "eager", "ulysses_sdpa")
-
-
-def _is_zero3_partitioned(model: nn.Module) -> bool:
-    """Whether `model`'s parameters are DeepSpeed ZeRO-3 shards (built under `deepspeed.zero.Init`)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-def _zero3_sharded_copy(model: nn.Module) -> nn.Module:
-    """A copy of a ZeRO-3-partitioned in-memory `model` that stays partitioned on every rank.
-
-    `copy.deepcopy` would copy each rank's empty shard without DeepSpeed's bookkeeping (the copy then fails at its
-    first forward). Instead the architecture is rebuilt from `model.config` by transformers' `_from_config`, which
-    builds it under `deepspeed.zero.Init` when ZeRO-3 is enabled (as `from_pretrained` does, and so as TRL's
-    reference is built), and the weights are copied one parameter at a time inside `GatheredParameters`: at most one
-    full parameter exists at a time, and each rank keeps only its shard.
-    """
-    import deepspeed
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    if not is_deepspeed_zero3_enabled():
-        raise ValueError(
-            "rl_loss.use_kl_loss: the in-memory policy is partitioned by deepspeed.zero.Init, but transformers' "
-            "DeepSpeed ZeRO-3 config is not active (create the RLLossGRPOConfig before the model, with an accelerate "
-            "config that has zero_stage: 3), so its reference copy cannot be built sharded: pass ref_model=<path>"
-        )
-    dtype = next(model.parameters()).dtype
-    copied = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
-    sources = dict(model.named_parameters())
-    if sources.keys() != dict(copied.named_parameters()).keys():
-        raise ValueError(f"cannot copy the ZeRO-3 partitioned {type(model).__name__}: it differs from its config's")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for name, param in copied.named_parameters():
-        # modifier_rank=0: on exit, rank 0's full copy is partitioned again over the ranks; the source is unchanged.
-        gather_source = deepspeed.zero.GatheredParameters([sources[name]])
-        with gather_source, deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if rank == 0:
-                param.data.copy_(sources[name].data)
-    for name, buffer in model.named_buffers():  # buffers are not partitioned
-        copied.get_buffer(name).data.copy_(buffer.data)
-    copied.set_attn_implementation(model.config._attn_implementation)
-    return copied
-
-
-class PackedRows(NamedTuple):
-    """Rows of a padded prompt/completion batch packed into one row, for sequence parallelism.
-
-    `input_ids`/`position_ids` are `(1, L)`: each sequence's prompt without its left padding followed by its completion
-    without its right padding, positions restarting at 0 per sequence; `num_tokens` `(B,)` their lengths. Completion
-    token `(rows[k], cols[k])` of the padded batch is predicted at packed position `label_index[k]` (the position
-    before it), i.e. a `(B, C)` completion-aligned tensor `x` becomes `packed[0, label_index] = x[rows, cols]`.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    num_tokens: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    label_index: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
-
-    def pack(self, values: torch.Tensor, padding_value: float) -> torch.Tensor:
-        """A `(B, C)` completion-aligned tensor in the packed `(1, L)` layout, `padding_value` elsewhere."""
-        out = values.new_full((1, self.length), padding_value)
-        out[0, self.label_index] = values[self.rows, self.cols]
-        return out
-
-    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """The inverse of `pack` for a `(1, L)` tensor: `(B, C)`, 0 where no completion token is."""
-        out = packed.new_zeros(shape)
-        out[self.rows, self.cols] = packed[0, self.label_index]
-        return out
-
-
-def pack_rows(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
-) -> PackedRows:
-    """Pack a left-padded prompt batch and a right-padded completion batch (masks: 1 = real token) into one row."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    keep = torch.cat([prompt_mask, completion_mask], dim=1).bool()
-    num_tokens = keep.sum(dim=1)
-    starts = num_tokens.cumsum(0) - num_tokens
-    position_ids = (keep.long().cumsum(dim=1) - 1)[keep].unsqueeze(0)
-    packed_index = (keep.reshape(-1).long().cumsum(0) - 1).reshape(keep.shape)[:, prompt_ids.shape[1] :]
-    rows, cols = completion_mask.bool().nonzero(as_tuple=True)
-    label_index = packed_index[rows, cols] - 1
-    has_context = label_index >= starts[rows]  # a sequence's first token is not predicted from anything
-    rows, cols, label_index = rows[has_context], cols[has_context], label_index[has_context]
-    return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
 
 
 class RLLossGRPOTrainer(GRPOTrainer):
@@ -426,7 +272,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             )
         loss_cfg: BaseRLLossConfig = args.rl_loss_config
         self.rl_loss_config = loss_cfg
-        self._ref_source = self._resolve_reference(model, ref_model, peft_config, loss_cfg)
+        self._ref_source = reference_source(model, ref_model, peft_config, loss_cfg.use_kl_loss)
 
         # TRL must neither build a reference model (it would reload it from `config._name_or_path`, which fails for
         # in-memory models) nor compute reference log-probs: the KL is the loss layer's (rl_loss.use_kl_loss).
@@ -457,12 +303,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "of a micro-batch, which one SP shard does not see; set router_aux_loss_coef=0.0 to train without it"
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.rl_loss_config = _with_model_softcapping(self.rl_loss_config, self._causal_lm(unwrapped))
-        self._check_model_supported(unwrapped)
+        self.rl_loss_config = with_model_softcapping(self.rl_loss_config, self._causal_lm(unwrapped))
+        check_model_supported(unwrapped, self.rl_loss_config.logit_softcapping)
         if self.aux_loss_enabled:
-            _load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
+            load_balancing_loss_func(self._causal_lm(unwrapped))  # fails now, not at the first step
         text_config = unwrapped.config.get_text_config()
-        self._loss_temperature = self.temperature / _logit_scale(text_config)
+        self._loss_temperature = self.temperature / logit_scale(text_config)
 
         self._forward_redirection = _ForwardRedirection()
         self._rl_pending: deque[BaseRLLossContext] = deque()
@@ -470,8 +316,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
         self._rl_step_size = 0
         self._rl_step_metrics: dict[str, Any] = {}
         self.sp_mesh = None
-        self._sp_defer_logps = False  # set while TRL scores a generation batch under SP (see _generate_and_score...)
-        self._sp_deferred_old_logps = False
+        # Under SP, TRL's old log-probs wait until the group has pooled its batch: "compute" (when TRL asks),
+        # "defer" (TRL is scoring this rank's share: skip them), "deferred" (skipped: compute them after pooling).
+        self._sp_old_logps = "compute"
         self._recorded_kept_logmass: list[list[torch.Tensor]] = []
         self._stashed_kept_logmass: torch.Tensor | None = None
         self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
@@ -490,43 +337,6 @@ class RLLossGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Reference model
 
-    @staticmethod
-    def _resolve_reference(model, ref_model, peft_config, loss_cfg: BaseRLLossConfig) -> Any:
-        """Where the reference log-probs will come from, decided before TRL touches the policy.
-
-        An in-memory policy (no path) is copied: with `copy.deepcopy`, or, when it is partitioned by DeepSpeed ZeRO-3's
-        `zero.Init` (e.g. loaded by `from_pretrained` under an accelerate config with `zero3_init_flag: true`), by
-        rebuilding it from its config under `zero.Init` and copying the weights one gathered parameter at a time
-        (`_zero3_sharded_copy`), so that the reference stays sharded per rank. `_build_reference` then wraps it as
-        TRL does its own reference (`prepare_deepspeed`: a ZeRO-3 inference engine under ZeRO-3, stage 0 otherwise).
-        """
-        if not loss_cfg.use_kl_loss:
-            if ref_model is not None:
-                raise ValueError("ref_model was given but rl_loss.use_kl_loss is false: nothing would use it")
-            return None
-        if ref_model is not None:
-            return ref_model
-        if peft_config is not None:
-            return "adapter"
-        if isinstance(model, str):  # the reference is loaded from the same path
-            return model
-        if is_peft_model(model):
-            # As TRL does for beta != 0: a frozen copy of the pre-trained adapter is the reference.
-            default_config = model.peft_config["default"]
-            model.add_adapter("ref", default_config)
-            for name, param in model.named_parameters():
-                if ".default." in name:
-                    model.get_parameter(name.replace(".default.", ".ref.")).data.copy_(param.data)
-            return "adapter"
-        if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-            raise ValueError(
-                "rl_loss.use_kl_loss needs a reference model, and a quantized in-memory policy cannot be copied: pass "
-                "ref_model=... (a model or a path), or a peft_config (the reference is then the base model)"
-            )
-        if _is_zero3_partitioned(model):
-            return _zero3_sharded_copy(model)
-        return copy.deepcopy(model)  # the policy as given, before any training
-
     def _build_reference(self, source: Any) -> nn.Module | None:
         if source is None or source == "adapter":
             return None
@@ -540,71 +350,27 @@ class RLLossGRPOTrainer(GRPOTrainer):
             if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
                 init_kwargs["device_map"] = None
             source = create_model_from_path(source, **init_kwargs)
-        self._check_model_supported(source)
+        check_model_supported(source, self.rl_loss_config.logit_softcapping)
         if self.sp_mesh is not None:
-            self._use_ulysses_attention(source, "the reference model")
-        source.requires_grad_(False)
-        source.eval()
-        if self.args.disable_dropout:
-            disable_dropout_in_model(source)
-        if self.is_deepspeed_enabled:
-            return prepare_deepspeed(source, self.accelerator)
-        if self.is_fsdp_enabled:
-            return prepare_fsdp(source, self.accelerator)
-        return self.accelerator.prepare_model(source, evaluation_mode=True)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Rollout log-probs under truncated sampling
-
-    def _records_hf_rollout_logprobs(self) -> bool:
-        """Whether the rollout log-probs come from `SampledTokenLogprobs` (HF `generate` with sampling)."""
-        hf_generate = not self.use_vllm and self.rollout_func is None
-        return hf_generate and not self.args.use_transformers_continuous_batching and self.args.rollout_logprobs
+            use_ulysses_attention(causal_lm(source), self.args.sp_size, "the reference model")
+        return prepare_reference(source, self)
 
     def _build_truncation_replay(self) -> LogitsProcessorList | None:
-        """The truncating warpers (top-k, top-p, min-p) the trainer replays on π_old to get the mass they keep, or
-        `None` when the rollout log-probs are compared as they are.
-
-        HF `generate` records full-vocabulary log-probs (`rollout_logprobs_support="full"`: nothing to replay) or
-        the log-probs on the sampled support (`"sampled"`: π_old is renormalized over the replayed support). vLLM
-        (`processed_logprobs`) and a `rollout_func` report log-probs on the sampled support only, so with truncation
-        they are always compared on that support, whatever `rollout_logprobs_support` says.
-        """
+        """The truncation the trainer replays on π_old (see `rollout_recording.truncation_replay`)."""
         args = self.args
-        if self._records_hf_rollout_logprobs():
-            mode = self.generation_config.get_generation_mode()
-            if self.rl_loss_config.rollout_is.enabled and mode != GenerationMode.SAMPLE:
-                raise ValueError(
-                    f"rl_loss.rollout_is needs sampled completions, but the generation mode is {mode.value!r} "
-                    "(generation_kwargs num_beams/do_sample): there is no sampling distribution to correct for"
-                )
-            if args.rollout_logprobs_support == "full" or mode != GenerationMode.SAMPLE:
-                return None
-            settings = {name: getattr(self.generation_config, name, None) for name in REPLAYED_SETTINGS}
-            others = unreplayable_truncation(self.generation_config)
-        elif self.use_vllm or self.rollout_func is not None:
+        hf_generate = not self.use_vllm and self.rollout_func is None and not args.use_transformers_continuous_batching
+        external = None
+        if self.use_vllm or self.rollout_func is not None:
             # TRL passes top_k/top_p/min_p to vLLM; generation_kwargs may override them
             overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-            settings = {name: overrides.get(name, getattr(self, name)) for name in REPLAYED_SETTINGS}
-            others = {}
-        else:
-            return None
-        if others:
-            raise ValueError(
-                f"rollout_logprobs_support='sampled' replays top_k, top_p and min_p on the trainer's distribution, "
-                "not "
-                f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
-            )
-        warpers = replay_warpers(**settings)
-        if warpers is None:
-            return None
-        if not self._records_hf_rollout_logprobs():
-            logger.warning_once(
-                f"sampling is truncated ({', '.join(type(w).__name__ for w in warpers)}) and the rollout log-probs of "
-                "vLLM / rollout_func are on the sampled support: rollout IS compares them with π_old renormalized "
-                "over the replayed support (rollout_logprobs_support='full' needs HF generate)"
-            )
-        return warpers
+            external = {name: overrides.get(name, getattr(self, name)) for name in REPLAYED_SETTINGS}
+        return truncation_replay(
+            hf_generate and args.rollout_logprobs,
+            external,
+            self.generation_config,
+            args.rollout_logprobs_support,
+            self.rl_loss_config.rollout_is.enabled,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Sequence parallelism: setup
@@ -619,37 +385,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 "sp_size > 1 is RLLossGRPOTrainer's own Ulysses sequence parallelism: do not also enable Accelerate's "
                 "ParallelismConfig sp_size/cp_size (DeepSpeed ALST / context parallelism)"
             )
-        if self.accelerator.num_processes % sp != 0:
-            raise ValueError(f"sp_size={sp} must divide the number of processes ({self.accelerator.num_processes})")
-        self._use_ulysses_attention(unwrapped, "the policy")
+        use_ulysses_attention(causal_lm(unwrapped), sp, "the policy")  # processes % sp_size: RLLossGRPOConfig's check
         self.sp_mesh = build_sp_mesh(sp, device_type=self.accelerator.device.type)
-
-    def _use_ulysses_attention(self, model: nn.Module, what: str) -> None:
-        """Check that `model` can run under Ulysses SP and switch it to the `"ulysses_sdpa"` attention."""
-        sp = self.args.sp_size
-        lm = self._causal_lm(model)
-        name = type(lm).__name__
-        config = lm.config.get_text_config()
-        implementation = getattr(lm.config, "_attn_implementation", None) or "sdpa"
-        if implementation not in SP_WRAPPABLE_ATTENTION:
-            raise ValueError(
-                f"sp_size={sp}: {what} ({name}) uses attn_implementation={implementation!r}, which the Ulysses "
-                f"attention cannot wrap; load it with one of {', '.join(map(repr, SP_WRAPPABLE_ATTENTION))}"
-            )
-        heads = getattr(config, "num_attention_heads", None)
-        if heads is not None and heads % sp != 0:
-            raise ValueError(
-                f"sp_size={sp}: {what} ({name}) has {heads} attention heads, not divisible by sp_size (Ulysses gives "
-                "each rank of an SP group heads / sp_size of them); choose an sp_size that divides it"
-            )
-        layer_types = set(getattr(config, "layer_types", None) or ())
-        if layer_types - {"full_attention"} or getattr(config, "sliding_window", None) is not None:
-            kinds = ", ".join(sorted(layer_types - {"full_attention"})) or "sliding_window"
-            raise ValueError(
-                f"sp_size={sp}: {what} ({name}) has attention layers other than full causal attention ({kinds}), "
-                "which the Ulysses attention does not implement"
-            )
-        lm.set_attn_implementation(register_ulysses_attention())
 
     # ------------------------------------------------------------------------------------------------------------
     # Sequence parallelism: batches
@@ -680,67 +417,26 @@ class RLLossGRPOTrainer(GRPOTrainer):
         # Sequences per optimizer step (logged, and used for throughput): an SP group is one data-parallel replica.
         return super().get_total_train_batch_size(args) // getattr(args, "sp_size", 1)
 
-    def _sp_all_gather_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The generation batches of this rank's SP group, concatenated in rank order (the same on every rank).
-
-        Per-row tensors are padded to the group's longest (prompts on the left, everything else on the right; gloo
-        needs equal shapes) and all-gathered; 0-dim tensors and `None` are kept.
-        """
-        group = self.sp_mesh.get_group()
-        rows = batch["prompt_ids"].shape[0]
-        keys = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        for key, value in batch.items():
-            if key in keys:
-                if value.shape[0] != rows:
-                    raise ValueError(f"sequence parallelism: batch[{key!r}] has {value.shape[0]} rows, not {rows}")
-            elif value is not None and not (isinstance(value, torch.Tensor) and value.dim() == 0):
-                raise ValueError(
-                    f"sequence parallelism cannot pool batch[{key!r}] ({type(value).__name__}) over the SP group"
-                )
-        device = batch["prompt_ids"].device
-        lengths = torch.tensor([batch[k].shape[1] if batch[k].dim() > 1 else 0 for k in keys], device=device)
-        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=group)
-        pad_id = self._tokenizer.pad_token_id
-        out = dict(batch)
-        for key, length in zip(keys, lengths.tolist()):
-            value = batch[key]
-            if value.dim() > 1 and value.shape[1] < length:
-                fill = (
-                    pad_id if key.endswith("_ids") else 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
-                )
-                filler = value.new_full((rows, length - value.shape[1], *value.shape[2:]), fill)
-                value = torch.cat([filler, value] if key.startswith("prompt_") else [value, filler], dim=1)
-            value = value.contiguous()
-            shards = [torch.empty_like(value) for _ in range(self.args.sp_size)]
-            dist.all_gather(shards, value, group=group)
-            out[key] = torch.cat(shards, dim=0)
-        return out
-
     def _sp_buffered_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's `_prepare_inputs` (training) for an SP group: generate, pool, shuffle alike on the group, split."""
         spg = self.args.steps_per_generation
         if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)  # the SP group's pooled batch
-            rows = batch["prompt_ids"].shape[0]
-            permutation = torch.randperm(rows).to(batch["prompt_ids"].device)
-            group = self.sp_mesh.get_group()
-            dist.broadcast(permutation, src=dist.get_global_rank(group, 0), group=group)
+            permutation = shared_permutation(batch["prompt_ids"].shape[0], self.sp_mesh, batch["prompt_ids"].device)
             batch = {k: v[permutation] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
             self._buffered_inputs = split_tensor_dict(batch, spg)
         return self._buffered_inputs[self._step % spg]
 
-    def _sp_pack_batch(self, inputs: dict[str, Any]) -> PackedRows:
-        return pack_rows(
-            inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
-        )
+    def _sp_pack_batch(self, inputs: dict[str, Any]) -> SPMicroBatch:
+        """This rank's view of a micro-batch packed into one row (see `SPMicroBatch`)."""
+        return SPMicroBatch.from_batch(inputs, self.sp_mesh, self._tokenizer.pad_token_id)
 
-    def _sp_hidden_states(self, unwrapped: nn.Module, packed: PackedRows) -> torch.Tensor:
+    def _sp_hidden_states(self, unwrapped: nn.Module, micro_batch: SPMicroBatch) -> torch.Tensor:
         """`(1, L_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective)."""
-        input_ids, position_ids = sp_shard_inputs(
-            packed.input_ids, packed.position_ids, self.sp_mesh, self._tokenizer.pad_token_id
-        )
         with ulysses_sequence_parallel(self.sp_mesh):
-            return self.compute_hidden_states(unwrapped, input_ids, None, position_ids=position_ids)
+            return self.compute_hidden_states(
+                unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids
+            )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.sp_mesh is None:
@@ -753,35 +449,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Hidden states and the LM head
 
-    @staticmethod
-    def _causal_lm(unwrapped: nn.Module) -> nn.Module:
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
-    def _check_model_supported(self, unwrapped: nn.Module) -> None:
-        lm = self._causal_lm(unwrapped)
-        name = type(lm).__name__
-        text_config = lm.config.get_text_config()
-        softcap = getattr(text_config, "final_logit_softcapping", None)
-        if softcap != self.rl_loss_config.logit_softcapping:
-            raise ValueError(
-                f"{name} has final_logit_softcapping={softcap}, but the loss softcaps its logits with "
-                f"rl_loss.logit_softcapping={self.rl_loss_config.logit_softcapping}: they must match (the policy and "
-                "the reference are scored with the same head)"
-            )
-        if softcap is not None and _logit_scale(text_config) != 1.0:
-            raise ValueError(
-                f"{name} both scales ({_logit_scale(text_config)}) and softcaps its logits: the loss layer folds the "
-                "scale into the temperature, which is exact only without softcapping"
-            )
-        if _logit_scale(text_config) <= 0:
-            raise ValueError(f"{name} scales its logits by {_logit_scale(text_config)}: not supported")
-        if getattr(lm, "base_model", lm) is lm:
-            raise ValueError(f"{name} has no separate backbone (base_model): its last hidden states are not reachable")
-        head = _active_head(lm.get_output_embeddings())
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"{name}'s output embedding is {type(head).__name__}, not a plain nn.Linear LM head")
-        if head.bias is not None:
-            raise ValueError(f"{name}'s LM head has a bias, which the loss layer does not add")
+    _causal_lm = staticmethod(causal_lm)
 
     def compute_hidden_states(
         self,
@@ -816,49 +484,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """The `(V, H)` LM-head weight, read through a PEFT `modules_to_save` wrapper. Inside the root module's forward
         (`_call_through_wrapper`) FSDP2 has already unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`,
         differentiable)."""
-        weight = _active_head(self._causal_lm(unwrapped).get_output_embeddings()).weight
+        weight = active_head(self._causal_lm(unwrapped).get_output_embeddings()).weight
         if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
         return weight
 
-    def _head_inputs(
-        self, hidden: torch.Tensor, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype | None]:
-        """The LM head's operands and the dtype its GEMMs run in: float32 with `cast_lm_head_to_fp32` (TRL's opt-in);
-        the mixed-precision dtype under bf16/fp16 (the chunked kernel casts its operands, and the gradients come back
-        in the dtypes of the hidden states and the weight, e.g. float32 master weights); otherwise their common dtype
-        (float32 training is unchanged)."""
-        if self.args.cast_lm_head_to_fp32:
-            return hidden.float(), weight.float(), torch.float32
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
-        if half is not None:
-            return hidden, weight, half
-        if hidden.dtype != weight.dtype:
-            dtype = torch.promote_types(hidden.dtype, weight.dtype)
-            return hidden.to(dtype), weight.to(dtype), None
-        return hidden, weight, None
+    def _head_inputs(self, hidden: torch.Tensor, weight: torch.Tensor):
+        """The LM head's operands and the dtype its GEMMs run in (see `engines.head_operands`)."""
+        return head_operands(hidden, weight, self.args.cast_lm_head_to_fp32, self.accelerator.mixed_precision)
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
-        """``fn(unwrapped, *args)``, run inside ``model``'s forward when it is a DDP/FSDP/DeepSpeed wrapper.
-
-        An FSDP2 model is its own unwrapped module (`fully_shard` changes its class in place), yet it too must be
-        called through its forward: the root's pre-forward hook initializes FSDP2 and unshards the parameters the
-        root owns, the units inside (layers; the embeddings, final norm and LM head, which Accelerate shards as one
-        unit, tied or not) are unsharded by their own hooks during the backbone's forward, and the backward ends with
-        the root's callback that reduce-scatters every unit's gradients. Without gradients (old and reference
-        log-probs, evaluation), the units FSDP2 keeps unsharded after a forward for the coming backward (the root,
-        Accelerate's embeddings/norm/head unit) are resharded right away: no backward would do it, and the full
-        `(V, H)` head would stay materialized until the next training step's backward.
-        """
-        unwrapped = self.accelerator.unwrap_model(model)
-        if unwrapped is model and not isinstance(model, FSDPModule):
-            return fn(unwrapped, *args)
-        out = self._forward_redirection(model, unwrapped, fn, unwrapped, *args)
-        if isinstance(model, FSDPModule) and not torch.is_grad_enabled():
-            for module in model.modules():  # FSDPModule.reshard is per unit, not recursive
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-        return out
+        """``fn(unwrapped, *args)`` inside ``model``'s forward (see `engines.call_through_wrapper`)."""
+        return call_through_wrapper(self.accelerator, self._forward_redirection, model, fn, *args)
 
     # ------------------------------------------------------------------------------------------------------------
     # Log-probs without gradient (old and reference)
@@ -875,31 +512,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         weight = self.get_head_weight(unwrapped)
         with maybe_gather_lm_head_ctx(weight):
             h, w, matmul_dtype = self._head_inputs(hidden, weight)
-            chunk_size = self.rl_loss_config.chunk_size
-            if truncation is not None:
-                if matmul_dtype is not None:
-                    h, w = h.to(matmul_dtype), w.to(matmul_dtype)
-                logps, kept = chunked_kept_logmass(
-                    h,
-                    w,
-                    labels,
-                    truncation,
-                    temperature=self._loss_temperature,
-                    chunk_size=chunk_size,
-                    softcap=self.rl_loss_config.logit_softcapping,
-                )
-                return torch.stack([logps, kept], dim=-1)
-            logps, _ = chunked_logprobs(
-                h,
-                w,
-                labels,
-                temperature=self._loss_temperature,
-                chunk_size=chunk_size,
-                matmul_dtype=matmul_dtype,
-                compile_epilogue=self.rl_loss_config.compile_epilogue,
-                softcap=self.rl_loss_config.logit_softcapping,
-            )
-        return logps
+            return head_logprobs(h, w, labels, self.rl_loss_config, self._loss_temperature, matmul_dtype, truncation)
 
     @torch.no_grad()
     def compute_per_token_logps(
@@ -914,65 +527,48 @@ class RLLossGRPOTrainer(GRPOTrainer):
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
         Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
-        sequence parallelism every rank of the SP group must call it with the same rows (see `_sp_per_token_logps`).
+        sequence parallelism every rank of the SP group must call it with the same rows (see `_block_logps`).
         With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
         `(B, logits_to_keep)`, from the same pass.
         """
         batch_size = batch_size or input_ids.size(0)
-        if self.sp_mesh is not None:
-            out = self._sp_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, truncation)
-        else:
-            columns = 1 if truncation is None else 2
-            out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
-
-            def forward(unwrapped, ids, mask):
-                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
-                valid = mask[:, -logits_to_keep:].bool()
-                labels = ids[:, -logits_to_keep:][valid]
-                return self._project_logprobs(unwrapped, hidden[valid], labels, truncation), valid
-
-            for start in range(0, input_ids.size(0), batch_size):
-                rows = slice(start, start + batch_size)
-                logps, valid = self._call_through_wrapper(model, forward, input_ids[rows], attention_mask[rows])
-                block = out[rows]
-                block[valid] = logps.float().reshape(-1, columns)
-        return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
-
-    @torch.no_grad()
-    def _sp_per_token_logps(
-        self,
-        model: nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size,
-        truncation: LogitsProcessorList | None = None,
-    ) -> torch.Tensor:
-        """`compute_per_token_logps` under SP: `batch_size` rows at a time packed into one row, each rank projecting
-        the tokens of its shard; the shards' values are gathered over the group and unpacked to `(B, C, columns)`."""
-        ignore = self.rl_loss_config.ignore_idx
         columns = 1 if truncation is None else 2
         out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
-
-        def forward(unwrapped, packed, labels):
-            hidden = self._sp_hidden_states(unwrapped, packed)
-            valid = labels != ignore
-            return self._project_logprobs(unwrapped, hidden[valid], labels[valid], truncation), valid
-
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            ids, mask = input_ids[rows], attention_mask[rows]
-            completion_ids = ids[:, -logits_to_keep:]
-            packed = pack_rows(
-                ids[:, :-logits_to_keep], mask[:, :-logits_to_keep], completion_ids, mask[:, -logits_to_keep:]
-            )
-            labels = sp_split(packed.pack(completion_ids, ignore), self.sp_mesh, 1, ignore)
-            logps, valid = self._call_through_wrapper(model, forward, packed, labels)
-            local = torch.zeros(*labels.shape, columns, dtype=torch.float32, device=labels.device)
-            local[valid] = logps.float().reshape(-1, columns)
-            full = sp_gather(local, self.sp_mesh, dim=1)[:, : packed.length]
-            for column in range(columns):
-                out[rows, :, column] = packed.unpack(full[..., column], tuple(completion_ids.shape))
+            out[rows] = self._block_logps(model, input_ids[rows], attention_mask[rows], logits_to_keep, truncation)
+        return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
+
+    def _block_logps(self, model, ids, mask, logits_to_keep: int, truncation) -> torch.Tensor:
+        """`(b, logits_to_keep, columns)` log-probs (and kept log-masses) of one block of rows. Under SP the block is
+        packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
+        completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
+        if self.sp_mesh is None:
+
+            def forward(unwrapped):
+                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
+                return self._valid_logps(unwrapped, hidden, completion_ids, completion_mask.bool(), truncation)
+
+            return self._call_through_wrapper(model, forward)
+        ignore = self.rl_loss_config.ignore_idx
+        micro_batch = SPMicroBatch.from_tensors(
+            ids[:, :-logits_to_keep], mask[:, :-logits_to_keep], completion_ids, completion_mask, self.sp_mesh,
+            self._tokenizer.pad_token_id,
+        )  # fmt: skip
+        labels = micro_batch.shard(completion_ids, ignore)  # (1, L_local), aligned with the input shard
+
+        def sp_forward(unwrapped):
+            hidden = self._sp_hidden_states(unwrapped, micro_batch)
+            return self._valid_logps(unwrapped, hidden, labels, labels != ignore, truncation)
+
+        return micro_batch.gather(self._call_through_wrapper(model, sp_forward), tuple(completion_ids.shape))
+
+    def _valid_logps(self, unwrapped, hidden, labels, valid, truncation) -> torch.Tensor:
+        """`(*valid.shape, columns)` float32: `_project_logprobs` of `labels[valid]` from `hidden[valid]`, else 0."""
+        columns = 1 if truncation is None else 2
+        out = torch.zeros(*valid.shape, columns, dtype=torch.float32, device=labels.device)
+        logps = self._project_logprobs(unwrapped, hidden[valid], labels[valid], truncation)
+        out[valid] = logps.float().reshape(-1, columns)
         return out
 
     def _get_per_token_logps_and_entropies(
@@ -987,10 +583,10 @@ class RLLossGRPOTrainer(GRPOTrainer):
         **multimodal,
     ):
         # TRL calls this for the old log-probs (no grad): compute them exactly as the loss computes the current ones.
-        if self._sp_defer_logps and not torch.is_grad_enabled():
+        if self._sp_old_logps != "compute" and not torch.is_grad_enabled():
             # Under SP, TRL scores this rank's share of the group's batch; the old log-probs are computed after the
             # group has pooled it (`_generate_and_score_completions`), on the packed sharded path.
-            self._sp_deferred_old_logps = True
+            self._sp_old_logps = "deferred"
             return None, None, None
         if (
             torch.is_grad_enabled()
@@ -1068,11 +664,15 @@ class RLLossGRPOTrainer(GRPOTrainer):
             with _trl_deprecated_aliases_silenced():
                 batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
         else:
-            self._sp_deferred_old_logps = False
-            with _overridden(self, _sp_defer_logps=True), _trl_deprecated_aliases_silenced():
-                batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
-            batch = self._sp_all_gather_batch(batch)  # every rank of the SP group now holds the group's batch
-            old_logps_deferred = self._sp_deferred_old_logps
+            self._sp_old_logps = "defer"
+            try:
+                with _trl_deprecated_aliases_silenced():
+                    batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
+                old_logps_deferred = self._sp_old_logps == "deferred"
+            finally:
+                self._sp_old_logps = "compute"
+            # every rank of the SP group now holds the group's batch
+            batch = pool_over_group(batch, self.sp_mesh, self._tokenizer.pad_token_id)
         has_rollout_logps = batch.get("sampling_per_token_logps") is not None
         replay = self._truncation_replay if has_rollout_logps else None
         stashed, self._stashed_kept_logmass = self._stashed_kept_logmass, None
@@ -1086,7 +686,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             # (on the sampled support: with the mass the replayed truncation keeps, from the same pass).
             input_ids, attention_mask = _sequences(batch)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
-            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+            with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 logps = self.compute_per_token_logps(
                     self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size, replay
                 )
@@ -1095,7 +695,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             else:
                 batch["old_per_token_logps"], batch["old_kept_logmass"] = logps
         if self.rl_loss_config.use_kl_loss:
-            with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+            with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
 
@@ -1162,7 +762,11 @@ class RLLossGRPOTrainer(GRPOTrainer):
         exist (weights and rejected tokens per `rl_loss.rollout_is`; in any case the mismatch metrics)."""
         data = self.build_loss_data(inputs)
         if self.sp_mesh is not None:
-            data = self._sp_pack_loss_data(data, self._sp_pack_batch(inputs), tuple(inputs["completion_ids"].shape))
+            micro_batch = self._sp_pack_batch(inputs)
+            shape = tuple(inputs["completion_ids"].shape)
+            micro_batch = micro_batch.with_loss_data(data, shape, self.rl_loss_config.ignore_idx)
+            # The loss forward runs on this object's input shard (`_loss_forward`): one packing for both.
+            inputs["sp_micro_batch"], data = micro_batch, micro_batch.loss_data
         ctx = self.rl_loss_config.build(data, sp_mesh=self.sp_mesh, micro_batch=self._rl_micro_batch)
         if ctx is None:
             raise ValueError("build_loss_data must give shifted_labels and advantages")
@@ -1171,21 +775,6 @@ class RLLossGRPOTrainer(GRPOTrainer):
         elif ctx.loss_kwargs.rollout_logprobs is not None and self._old_logps_from_loss:
             ctx.defer_rollout_is()  # on-policy: the mismatch metrics come from the loss's own forward
         return ctx
-
-    def _sp_pack_loss_data(self, data: dict[str, Any], packed: PackedRows, shape: tuple[int, int]) -> dict[str, Any]:
-        """The loss data in the packed layout: `(B, C)` tensors packed, `num_tokens` added, per-sequence ones kept."""
-        out = {}
-        for key, value in data.items():
-            if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-                value = packed.pack(value, pad_value(key, self.rl_loss_config.ignore_idx))
-            elif isinstance(value, torch.Tensor) and value.dim() > 1:
-                raise ValueError(
-                    f"sequence parallelism: loss data {key!r} has shape {tuple(value.shape)}; expected the "
-                    f"completions' shape {shape} or one value per sequence"
-                )
-            out[key] = value
-        out["num_tokens"] = packed.num_tokens
-        return out
 
     def _build_step_contexts(self) -> None:
         """The contexts of the next group of micro-batches of the optimizer step, normalized together.
@@ -1235,7 +824,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
 
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
-            hidden = self._sp_hidden_states(unwrapped, self._sp_pack_batch(inputs))
+            hidden = self._sp_hidden_states(unwrapped, inputs["sp_micro_batch"])
         else:
             input_ids, attention_mask = _sequences(inputs)
             length = inputs["completion_ids"].size(1)
@@ -1255,7 +844,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             unwrapped, input_ids, attention_mask, output_router_logits=True
         )
         lm = self._causal_lm(unwrapped)
-        aux_loss = _load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
         loss, metrics = self._head_loss(unwrapped, hidden[:, -length - 1 : -1], ctx)
         return loss, metrics, aux_loss
 
