@@ -331,7 +331,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
 
     def get_train_dataloader(self):
         # TRL override: under SP each rank loads its 1/sp_size share of its SP group's generation batch.
-        get_dataloader = self._get_dataloader
+        get_dataloader, shadowed = self._get_dataloader, vars(self).get("_get_dataloader")
 
         def share(**kwargs):
             return get_dataloader(**{**kwargs, "batch_size": kwargs["batch_size"] // self.args.sp_size})
@@ -340,7 +340,10 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         try:
             return super().get_train_dataloader()
         finally:
-            del self._get_dataloader
+            if shadowed is None:
+                del self._get_dataloader
+            else:
+                self._get_dataloader = shadowed
 
     def get_total_train_batch_size(self, args) -> int:
         # TRL override: sequences per optimizer step (logged, throughput); an SP group is one data-parallel replica.
