@@ -245,7 +245,7 @@ class RLLossGRPOConfig(GRPOConfig):
             when set, those options must be left at their defaults or agree with it.
         sp_size (`int`, *optional*, defaults to `1`):
             Sequence-parallel (Ulysses) degree: consecutive groups of `sp_size` processes act as one data-parallel
-            replica, each rank holding `1/sp_size` of every packed micro-batch (see `RLLossGRPOTrainer`). Must divide
+            replica, each rank holding `1/sp_size` of every packed micro-batch (see docs/design.md). Must divide
             the number of processes. With `sp_size > 1`, `per_device_train_batch_size` is the number of sequences in
             a micro-batch of an SP group (not of a rank), and each rank generates `per_device_train_batch_size ×
             steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
@@ -262,7 +262,7 @@ class RLLossGRPOConfig(GRPOConfig):
     disagree a warning names both (`precision_mismatch_warning`). Set `bf16` explicitly (`bf16: false` for fp32).
     Any batch layout TRL accepts works: when `steps_per_generation × num_iterations` is not a multiple of
     `gradient_accumulation_steps`, an optimizer step may span two generation batches and is normalized in groups
-    (see `RLLossGRPOTrainer`, "Steps spanning two generations").
+    (see docs/design.md, "Steps spanning two generations").
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["rl_loss"]
