@@ -526,7 +526,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         tags: str | list[str] | None = None,
         base_model: str | None = None,
     ) -> None:
-        """TRL's model card, completed for the Hub by `hf_rlloss.hub.complete_model_card`.
+        """TRL override: TRL's model card, completed for the Hub by `hf_rlloss.hub.complete_model_card`.
 
         Args:
             model_name (`str`, *optional*, defaults to the name of `output_dir`):
