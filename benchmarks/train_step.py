@@ -75,7 +75,7 @@ def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int
         trainer = GRPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer)
     else:
         rl = {"policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28}, **rl_loss}
-        args = RLLossGRPOConfig(rl_loss=rl, rollout_logprobs=bool(extra.get("is")), **common)
+        args = RLLossGRPOConfig(rl_loss=rl, record_rollout_logprobs=bool(extra.get("is")), **common)
         trainer = RLLossGRPOTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer)
 
     g = torch.Generator().manual_seed(1)

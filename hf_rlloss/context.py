@@ -27,7 +27,7 @@ from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, 
 from .kl import kl_penalty
 from .metrics import TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
 from .rollout_is import compute_rollout_is
-from .sequence_parallel import sp_group, sp_rank, sp_size, sp_split
+from .sequence_parallel import sp_group, sp_rank, sp_split, sp_world_size
 
 
 class BaseRLLossKwargs(BaseModel):
@@ -132,7 +132,7 @@ def prepare_kwargs(data: dict[str, Any], ignore_idx: int, sp_mesh: DeviceMesh | 
                 "every per-token tensor must have exactly the labels' shape"
             )
         fields[name] = value
-    if sp_size(sp_mesh) > 1:
+    if sp_world_size(sp_mesh) > 1:
         labels = sp_split(labels, sp_mesh, 1, ignore_idx)
         seq_ids = sp_split(seq_ids, sp_mesh, 1, -1)
         fields = {name: sp_split(value, sp_mesh, 1, TOKEN_FIELDS[name].pad) for name, value in fields.items()}
@@ -292,7 +292,7 @@ class BaseRLLossContext:
         """Per-token mean (or sum) of ``statistic`` over its whole sequence (across SP shards); detached."""
         sums = torch.zeros(self.loss_kwargs.num_sequences, dtype=torch.float64, device=statistic.device)
         sums.index_add_(0, seq_ids, statistic.detach().double())
-        if sp_size(self.sp_mesh) > 1:  # a sequence's shards live on the ranks of its SP group
+        if sp_world_size(self.sp_mesh) > 1:  # a sequence's shards live on the ranks of its SP group
             all_reduce(sums, group=sp_group(self.sp_mesh))
         if reduction == "mean":
             sums = sums / self.seq_token_counts.double().clamp(min=1)
@@ -581,11 +581,11 @@ class GRPOLossContext(BaseRLLossContext):
             for ctx in contexts
         ]
         flat_counts = torch.cat(counts)
-        if sp_size(sp_mesh) > 1 and any(ctx.entropy_coef != 0.0 for ctx in contexts):
+        if sp_world_size(sp_mesh) > 1 and any(ctx.entropy_coef != 0.0 for ctx in contexts):
             raise ValueError("entropy_coef is not supported with sequence parallelism (a shard's token mean differs)")
-        if sp_size(sp_mesh) > 1 and cfg.top_entropy_quantile < 1.0:
+        if sp_world_size(sp_mesh) > 1 and cfg.top_entropy_quantile < 1.0:
             raise ValueError("top_entropy_quantile < 1 is not supported with sequence parallelism")
-        if sp_size(sp_mesh) > 1:
+        if sp_world_size(sp_mesh) > 1:
             all_reduce(flat_counts, group=sp_group(sp_mesh))
         counts = list(torch.split(flat_counts, [len(c) for c in counts]))
 

@@ -65,7 +65,7 @@ from .metrics import (
     finalize_reduced,
     reduce_metrics,
 )
-from .sequence_parallel import sp_group, sp_rank, sp_size
+from .sequence_parallel import on_first_sp_rank, sp_group, sp_world_size
 
 SAFETY_BOUND = 20.0
 """Every log ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp``."""
@@ -296,7 +296,7 @@ def _sequence_sums(tokens: _Tokens, num_sequences: int, sp_mesh: DeviceMesh | No
     per_seq.index_add_(0, tokens.ids, columns)
     mask_column = _SEQ_COLUMNS.index("mask_tokens")
     per_seq[:, mask_column].index_add_(0, tokens.mask_ids, torch.ones_like(tokens.mask_ids, dtype=f64))
-    if sp_size(sp_mesh) > 1:
+    if sp_world_size(sp_mesh) > 1:
         all_reduce(per_seq, group=sp_group(sp_mesh))
     return dict(zip(_SEQ_COLUMNS, per_seq.unbind(1)))
 
@@ -401,7 +401,7 @@ def _sequence_metrics(
     """Sums and extrema over the non-empty sequences, each counted once (on SP rank 0)."""
     nonempty = seqs["tokens"] > 0
     n_safe = seqs["tokens"].clamp(min=1)
-    counted = nonempty if sp_rank(sp_mesh) == 0 else torch.zeros_like(nonempty)
+    counted = on_first_sp_rank(nonempty, sp_mesh)
 
     def seq_sum(values: torch.Tensor) -> torch.Tensor:
         return torch.where(counted, values, 0.0).sum()
@@ -456,7 +456,7 @@ def compute_rollout_is(
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """Rollout IS weights, keep-mask and accumulable metrics of one micro-batch (local tensors, after any SP split).
 
-    Pure apart from one all-reduce over the SP group when `sp_size(sp_mesh) > 1` (every rank of the group must call
+    Pure apart from one all-reduce over the SP group when `sp_world_size(sp_mesh) > 1` (all ranks of the group call
     it, with the same `num_sequences`). Nothing is differentiated and no input is modified.
 
     Args:

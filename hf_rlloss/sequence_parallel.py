@@ -13,11 +13,16 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def sp_size(sp_mesh: DeviceMesh | None) -> int:
+def sp_world_size(sp_mesh: DeviceMesh | None) -> int:
+    """The number of ranks of the SP group (1 without SP); `RLLossGRPOConfig.sp_size` is the value it builds from."""
     return 1 if sp_mesh is None else sp_mesh.size()
+
+
+# The former name of `sp_world_size`, still imported by context.py and rollout_is.py.
 
 
 def sp_rank(sp_mesh: DeviceMesh | None) -> int:
@@ -26,6 +31,12 @@ def sp_rank(sp_mesh: DeviceMesh | None) -> int:
 
 def sp_group(sp_mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return None if sp_mesh is None else sp_mesh.get_group()
+
+
+def on_first_sp_rank(value: torch.Tensor, sp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """`value` on the SP group's first rank, zeros elsewhere: a per-sequence count (or sum) that every rank of the
+    group holds in full is then counted once when it is summed over the group (or the world)."""
+    return value if sp_rank(sp_mesh) == 0 else torch.zeros_like(value)
 
 
 def pad_to_multiple(tensor: torch.Tensor, multiple: int, dim: int, padding_value: float) -> torch.Tensor:
@@ -48,7 +59,7 @@ def sp_split(
         split_dim (`int`, *optional*, defaults to `1`): the sequence dimension.
         padding_value (`float`, *optional*, defaults to `0.0`): value of the padded positions.
     """
-    size = sp_size(sp_mesh)
+    size = sp_world_size(sp_mesh)
     if size == 1:
         return tensor
     padded = pad_to_multiple(tensor, size, split_dim, padding_value)
@@ -61,7 +72,7 @@ def sp_gather(tensor: torch.Tensor, sp_mesh: DeviceMesh | None, dim: int = 1) ->
 
     The result keeps the padding added by :func:`sp_split`; trim it with ``[..., :L]`` when the true length matters.
     """
-    size = sp_size(sp_mesh)
+    size = sp_world_size(sp_mesh)
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
@@ -73,29 +84,27 @@ def sp_gather(tensor: torch.Tensor, sp_mesh: DeviceMesh | None, dim: int = 1) ->
 # ------------------------------------------------------------------------------------------------- the SP mesh
 
 
-def build_sp_mesh(sp_size: int, device_type: str = "cpu") -> DeviceMesh | None:
+def build_sp_mesh(group_size: int, device_type: str = "cpu") -> DeviceMesh | None:
     """The `sp` dimension of a `(dp, sp)` device mesh over all processes; consecutive ranks form an SP group.
 
     Args:
-        sp_size (`int`): ranks per SP group; 1 returns `None` (no SP).
+        group_size (`int`): ranks per SP group (`RLLossGRPOConfig.sp_size`); 1 returns `None` (no SP).
         device_type (`str`, *optional*, defaults to `"cpu"`): the mesh's device type (`"cuda"` with NCCL).
 
     Returns:
         `DeviceMesh` or `None`: the 1-D SP mesh of this rank; its parent mesh's `"dp"` dimension is the
         data-parallel group (ranks holding different data).
     """
-    if sp_size < 1:
-        raise ValueError(f"sp_size={sp_size} must be >= 1")
-    if sp_size == 1:
+    if group_size < 1:
+        raise ValueError(f"sp_size={group_size} must be >= 1")
+    if group_size == 1:
         return None
     if not dist.is_initialized():
-        raise ValueError(f"sp_size={sp_size} needs torch.distributed to be initialized (launch with accelerate)")
-    world = dist.get_world_size()
-    if world % sp_size:
-        raise ValueError(f"sp_size={sp_size} must divide the number of processes ({world})")
+        raise ValueError(f"sp_size={group_size} needs torch.distributed to be initialized (launch with accelerate)")
+    world = dist.get_world_size()  # that group_size divides it is checked by RLLossGRPOConfig (its one check)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    mesh = init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=("dp", "sp"))
     return mesh["sp"]
 
 
@@ -107,7 +116,7 @@ def sp_shard_inputs(
     Padded positions continue the last position (`last + 1, …`), so they never look like the start of a new packed
     sequence; under causal attention they cannot affect any real token, and their labels are `ignore_idx`.
     """
-    size = sp_size(sp_mesh)
+    size = sp_world_size(sp_mesh)
     if size == 1:
         return input_ids, position_ids
     pad = (-input_ids.shape[1]) % size
@@ -120,6 +129,8 @@ def sp_shard_inputs(
 # ------------------------------------------------------------------------------------------------ Ulysses attention
 
 ULYSSES_ATTENTION = "ulysses_sdpa"
+# Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
+SP_WRAPPABLE_ATTENTION = ("sdpa", "eager", ULYSSES_ATTENTION)
 _ACTIVE_SP_MESH: DeviceMesh | None = None
 
 
@@ -219,7 +230,7 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, dropout
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mesh = _ACTIVE_SP_MESH
-    size = sp_size(mesh)
+    size = sp_world_size(mesh)
     if size == 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -251,3 +262,31 @@ def register_ulysses_attention() -> str:
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
     AttentionMaskInterface.register(ULYSSES_ATTENTION, sdpa_mask)
     return ULYSSES_ATTENTION
+
+
+def use_ulysses_attention(lm: nn.Module, group_size: int, what: str) -> None:
+    """Check that the causal LM `lm` can run under Ulysses SP over `group_size` ranks and switch it to the
+    `"ulysses_sdpa"` attention (plain SDPA outside `ulysses_sequence_parallel`). `what` names it in the errors."""
+    sp = group_size
+    name = type(lm).__name__
+    config = lm.config.get_text_config()
+    implementation = getattr(lm.config, "_attn_implementation", None) or "sdpa"
+    if implementation not in SP_WRAPPABLE_ATTENTION:
+        raise ValueError(
+            f"sp_size={sp}: {what} ({name}) uses attn_implementation={implementation!r}, which the Ulysses "
+            f"attention cannot wrap; load it with one of {', '.join(map(repr, SP_WRAPPABLE_ATTENTION))}"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads % sp != 0:
+        raise ValueError(
+            f"sp_size={sp}: {what} ({name}) has {heads} attention heads, not divisible by sp_size (Ulysses gives "
+            "each rank of an SP group heads / sp_size of them); choose an sp_size that divides it"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"} or getattr(config, "sliding_window", None) is not None:
+        kinds = ", ".join(sorted(layer_types - {"full_attention"})) or "sliding_window"
+        raise ValueError(
+            f"sp_size={sp}: {what} ({name}) has attention layers other than full causal attention ({kinds}), "
+            "which the Ulysses attention does not implement"
+        )
+    lm.set_attn_implementation(register_ulysses_attention())

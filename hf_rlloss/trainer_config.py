@@ -245,7 +245,7 @@ class RLLossGRPOConfig(GRPOConfig):
             when set, those options must be left at their defaults or agree with it.
         sp_size (`int`, *optional*, defaults to `1`):
             Sequence-parallel (Ulysses) degree: consecutive groups of `sp_size` processes act as one data-parallel
-            replica, each rank holding `1/sp_size` of every packed micro-batch (see `RLLossGRPOTrainer`). Must divide
+            replica, each rank holding `1/sp_size` of every packed micro-batch (see docs/design.md). Must divide
             the number of processes. With `sp_size > 1`, `per_device_train_batch_size` is the number of sequences in
             a micro-batch of an SP group (not of a rank), and each rank generates `per_device_train_batch_size ×
             steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
@@ -262,7 +262,7 @@ class RLLossGRPOConfig(GRPOConfig):
     disagree a warning names both (`precision_mismatch_warning`). Set `bf16` explicitly (`bf16: false` for fp32).
     Any batch layout TRL accepts works: when `steps_per_generation × num_iterations` is not a multiple of
     `gradient_accumulation_steps`, an optimizer step may span two generation batches and is normalized in groups
-    (see `RLLossGRPOTrainer`, "Steps spanning two generations").
+    (see docs/design.md, "Steps spanning two generations").
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["rl_loss"]
@@ -278,7 +278,7 @@ class RLLossGRPOConfig(GRPOConfig):
             "options (loss_type, epsilon, epsilon_high, beta, ...) are mapped onto it."
         },
     )
-    rollout_logprobs: bool = field(
+    record_rollout_logprobs: bool = field(
         default=True,
         metadata={
             "help": "With HF generate: record the log-probs of the sampled tokens (on the support chosen by "
@@ -289,6 +289,10 @@ class RLLossGRPOConfig(GRPOConfig):
             "metrics then use the training forward's log-probs. vLLM and rollout_func provide their own log-probs. "
             "Beam search and greedy decoding record nothing."
         },
+    )
+    rollout_logprobs: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated: the former name of record_rollout_logprobs (a FutureWarning says so)."},
     )
     rollout_logprobs_support: str = field(
         default="full",
@@ -318,6 +322,14 @@ class RLLossGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.rollout_logprobs is not None:
+            warnings.warn(
+                "RLLossGRPOConfig: rollout_logprobs is deprecated and will be removed; use record_rollout_logprobs "
+                "(the same boolean: record the sampled tokens' log-probs under HF generate)",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.record_rollout_logprobs, self.rollout_logprobs = self.rollout_logprobs, None
         if not isinstance(self.sp_size, int) or isinstance(self.sp_size, bool) or self.sp_size < 1:
             raise ValueError(f"sp_size={self.sp_size!r} must be an integer >= 1")
         if self.sp_size > 1 and self.generation_batch_size is not None:
@@ -403,10 +415,10 @@ class RLLossGRPOConfig(GRPOConfig):
                 "rl_loss.rollout_is and TRL's vllm_importance_sampling_correction would both correct the rollout "
                 "mismatch: set vllm_importance_sampling_correction=False (rl_loss.rollout_is replaces it)"
             )
-        if not self.use_vllm and (self.use_transformers_continuous_batching or not self.rollout_logprobs):
+        if not self.use_vllm and (self.use_transformers_continuous_batching or not self.record_rollout_logprobs):
             raise ValueError(
                 "rl_loss.rollout_is needs the rollout's log-probs, which this generation backend does not yield: "
-                "use HF generate with rollout_logprobs=True (and use_transformers_paged=False), vLLM, or a "
+                "use HF generate with record_rollout_logprobs=True (and use_transformers_paged=False), vLLM, or a "
                 "rollout_func that returns logprobs"
             )
 

@@ -4,8 +4,8 @@
         --config recipes/smollm2_135m/arithmetic/config_demo.yaml
 
 Every YAML key is a field of `GRPOScriptArguments`, `RLLossGRPOConfig` (TRL's `GRPOConfig` + `rl_loss`, `sp_size`,
-`rollout_logprobs`) or `ModelConfig`; command-line flags (`--learning_rate 1e-5`) override the YAML. Bad input — an
-unknown key, a missing dataset column, an unknown reward — fails before any model is loaded.
+`record_rollout_logprobs`) or `ModelConfig`; command-line flags (`--learning_rate 1e-5`) override the YAML. Bad
+input — an unknown key, a missing dataset column, an unknown reward — fails before any model is loaded.
 """
 
 from __future__ import annotations

@@ -243,10 +243,10 @@ def test_zero3_partitioned_policy_without_zero3_config_is_rejected():
     built sharded, and the error names the alternative."""
     from _models import tiny_qwen2
 
-    from hf_rlloss.trainer import _zero3_sharded_copy
+    from hf_rlloss.engines import zero3_sharded_copy
 
     model = tiny_qwen2()
     for param in model.parameters():
         param.ds_id = 0  # what zero.Init leaves on each parameter
     with pytest.raises(ValueError, match=r"rl_loss.use_kl_loss: .*partitioned by deepspeed.zero.Init.*ref_model="):
-        _zero3_sharded_copy(model)
+        zero3_sharded_copy(model)

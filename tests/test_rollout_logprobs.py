@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from hf_rlloss.chunked_logprobs import chunked_kept_logmass
-from hf_rlloss.trainer import SampledTokenLogprobs
+from hf_rlloss.rollout_recording import SampledTokenLogprobs
 
 TRUNCATIONS = {
     "none": [],

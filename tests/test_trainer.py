@@ -556,7 +556,15 @@ def test_beam_search_trains_without_rollout_logprobs(tok, tmp_path, monkeypatch)
 def test_rollout_is_without_rollout_logprobs_is_rejected_at_construction(tmp_path):
     rl_loss = {"rollout_is": {"upper": 2.0}}
     with pytest.raises(ValueError, match="rollout_is needs the rollout's log-probs"):
-        _config(tmp_path, rl_loss=rl_loss, rollout_logprobs=False)
+        _config(tmp_path, rl_loss=rl_loss, record_rollout_logprobs=False)
+
+
+def test_rollout_logprobs_is_the_deprecated_name_of_record_rollout_logprobs(tmp_path):
+    with pytest.warns(FutureWarning, match="rollout_logprobs is deprecated.*use record_rollout_logprobs"):
+        args = _config(tmp_path, rollout_logprobs=False)
+    assert args.record_rollout_logprobs is False and args.rollout_logprobs is None
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="rollout_is needs the rollout's log-probs"):
+        _config(tmp_path, rl_loss={"rollout_is": {"upper": 2.0}}, rollout_logprobs=False)
 
 
 def test_model_given_as_a_path_with_kl(tok, tmp_path):

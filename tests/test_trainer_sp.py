@@ -16,7 +16,8 @@ import _launch
 import pytest
 import torch
 
-from hf_rlloss.trainer import RLLossGRPOConfig, pack_rows
+from hf_rlloss.sp_batch import pack_rows
+from hf_rlloss.trainer import RLLossGRPOConfig
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))

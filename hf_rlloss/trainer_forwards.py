@@ -1,0 +1,214 @@
+"""The forwards of `RLLossGRPOTrainer` through the model and its LM head (mixed into the trainer).
+
+The loss layer never sees logits: it gets the backbone's last hidden states and the LM-head weight and projects them
+in chunks. This module holds every forward the trainer runs for that: the training loss forward (`_loss_forward`,
+with the MoE router loss `_loss_forward_with_router_aux`), the no-gradient log-prob passes (old and reference
+log-probs, `compute_per_token_logps`; under sequence parallelism packed and sharded, `_block_logps`), and the
+extension points for models with an unusual layout (`compute_hidden_states`, `get_head_weight`). Each forward runs
+inside the wrapped model's forward (`_call_through_wrapper`), so that DDP/FSDP/DeepSpeed hooks fire.
+
+`LossLayerForwards` is a mixin: it reads the trainer's `accelerator`, `args`, `model`, `ref_model`,
+`rl_loss_config`, `sp_mesh`, `_loss_temperature`, `_tokenizer`, `_forward_redirection` and TRL's metric lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LogitsProcessorList
+from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
+
+from .context import BaseRLLossContext
+from .engines import call_through_wrapper, head_operands
+from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
+from .sequence_parallel import ulysses_sequence_parallel
+from .sp_batch import SPMicroBatch
+
+__all__ = ["LossLayerForwards", "prompt_and_completion"]
+
+
+def prompt_and_completion(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(B, P + C)` input ids and attention mask of a batch's left-padded prompts followed by its completions."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask
+
+
+class LossLayerForwards:
+    """Hidden states, the LM head, log-probs without gradient and the loss forward of `RLLossGRPOTrainer`."""
+
+    _causal_lm = staticmethod(causal_lm)
+
+    def compute_hidden_states(
+        self,
+        unwrapped: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
+        with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
+
+        Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
+        sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
+        `position_ids` of the shard (restarting at 0 at each packed sequence).
+        """
+        backbone = self._causal_lm(unwrapped).base_model
+        if position_ids is None and attention_mask is not None:
+            # The positions HF generate gives a left-padded batch (counted from the first real token), so that the
+            # trainer's log-probs see the same positions as the rollout's (not offset by the left padding).
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        if output_router_logits:
+            extra["output_router_logits"] = True
+        with self.accelerator.autocast():
+            outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        if output_router_logits:
+            return outputs.last_hidden_state, outputs.router_logits
+        return outputs.last_hidden_state
+
+    def get_head_weight(self, unwrapped: nn.Module) -> torch.Tensor:
+        """The `(V, H)` LM-head weight, read through a PEFT `modules_to_save` wrapper. Inside the root module's forward
+        (`_call_through_wrapper`) FSDP2 has already unsharded it; a DTensor met elsewhere is gathered (`full_tensor()`,
+        differentiable)."""
+        weight = active_head(self._causal_lm(unwrapped).get_output_embeddings()).weight
+        if hasattr(weight, "full_tensor"):
+            weight = weight.full_tensor()
+        return weight
+
+    @torch.no_grad()
+    def compute_per_token_logps(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        truncation: LogitsProcessorList | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
+
+        Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
+        sequence parallelism every rank of the SP group must call it with the same rows (see `_block_logps`).
+        With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
+        `(B, logits_to_keep)`, from the same pass.
+        """
+        batch_size = batch_size or input_ids.size(0)
+        columns = 1 if truncation is None else 2
+        out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            out[rows] = self._block_logps(model, input_ids[rows], attention_mask[rows], logits_to_keep, truncation)
+        return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
+
+    @torch.no_grad()
+    def compute_ref_per_token_logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Reference log-probs of a generation batch: the ref model, or the policy with its adapter disabled."""
+        input_ids, attention_mask = prompt_and_completion(batch)
+        logits_to_keep = batch["completion_ids"].size(1)
+        batch_size = self.args.per_device_train_batch_size if self.model.training else None
+        if self.ref_model is not None:
+            return self.compute_per_token_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size)
+        peft_model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+            return self.compute_per_token_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
+
+    def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
+        """``fn(unwrapped, *args)`` inside ``model``'s forward (see `engines.call_through_wrapper`)."""
+        return call_through_wrapper(self.accelerator, self._forward_redirection, model, fn, *args)
+
+    def _head_inputs(self, hidden: torch.Tensor, weight: torch.Tensor):
+        """The LM head's operands and the dtype its GEMMs run in (see `engines.head_operands`)."""
+        return head_operands(hidden, weight, self.args.cast_lm_head_to_fp32, self.accelerator.mixed_precision)
+
+    def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
+        if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
+            hidden = self._sp_hidden_states(unwrapped, inputs["sp_micro_batch"])
+        else:
+            input_ids, attention_mask = prompt_and_completion(inputs)
+            length = inputs["completion_ids"].size(1)
+            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
+        return self._head_loss(unwrapped, hidden, ctx)
+
+    def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
+        """`_loss_forward` for an MoE policy whose router loss is trained (`aux_loss_enabled`): also the model's own
+        `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as TRL computes it."""
+        input_ids, attention_mask = prompt_and_completion(inputs)
+        length = inputs["completion_ids"].size(1)
+        hidden, router_logits = self.compute_hidden_states(
+            unwrapped, input_ids, attention_mask, output_router_logits=True
+        )
+        lm = self._causal_lm(unwrapped)
+        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+        loss, metrics = self._head_loss(unwrapped, hidden[:, -length - 1 : -1], ctx)
+        return loss, metrics, aux_loss
+
+    def _head_loss(self, unwrapped: nn.Module, hidden: torch.Tensor, ctx: BaseRLLossContext):
+        """The micro-batch's `(loss, metrics)` from hidden states aligned with `ctx`'s labels, through the LM head."""
+        weight = self.get_head_weight(unwrapped)
+        with maybe_gather_lm_head_ctx(weight):
+            hidden, weight, matmul_dtype = self._head_inputs(hidden, weight)
+            return ctx(
+                hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
+            )
+
+    def _block_logps(self, model, ids, mask, logits_to_keep: int, truncation) -> torch.Tensor:
+        """`(b, logits_to_keep, columns)` log-probs (and kept log-masses) of one block of rows. Under SP the block is
+        packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
+        completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
+        if self.sp_mesh is None:
+
+            def forward(unwrapped):
+                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
+                return self._valid_logps(unwrapped, hidden, completion_ids, completion_mask.bool(), truncation)
+
+            return self._call_through_wrapper(model, forward)
+        ignore = self.rl_loss_config.ignore_idx
+        micro_batch = SPMicroBatch.from_tensors(
+            ids[:, :-logits_to_keep], mask[:, :-logits_to_keep], completion_ids, completion_mask, self.sp_mesh,
+            self._tokenizer.pad_token_id,
+        )  # fmt: skip
+        labels = micro_batch.shard(completion_ids, ignore)  # (1, L_local), aligned with the input shard
+
+        def sp_forward(unwrapped):
+            hidden = self._sp_hidden_states(unwrapped, micro_batch)
+            return self._valid_logps(unwrapped, hidden, labels, labels != ignore, truncation)
+
+        return micro_batch.gather(self._call_through_wrapper(model, sp_forward), tuple(completion_ids.shape))
+
+    def _valid_logps(self, unwrapped, hidden, labels, valid, truncation) -> torch.Tensor:
+        """`(*valid.shape, columns)` float32: the log-probs of `labels[valid]` from `hidden[valid]` through the LM head
+        (chunked, no gradient), 0 elsewhere; with `truncation`, also the log-mass the replayed truncation keeps."""
+        columns = 1 if truncation is None else 2
+        out = torch.zeros(*valid.shape, columns, dtype=torch.float32, device=labels.device)
+        weight = self.get_head_weight(unwrapped)
+        with maybe_gather_lm_head_ctx(weight):
+            h, w, matmul_dtype = self._head_inputs(hidden[valid], weight)
+            logps = head_logprobs(
+                h, w, labels[valid], self.rl_loss_config, self._loss_temperature, matmul_dtype, truncation
+            )
+        out[valid] = logps.float().reshape(-1, columns)
+        return out
+
+    def _sp_hidden_states(self, unwrapped: nn.Module, micro_batch: SPMicroBatch) -> torch.Tensor:
+        """`(1, L_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective)."""
+        with ulysses_sequence_parallel(self.sp_mesh):
+            return self.compute_hidden_states(
+                unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids
+            )
+
+    def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
+        """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL: per
+        micro-batch on every rank, not multiplied by the ranks (DDP averages). `loss/router_aux` counts it divided by
+        the ranks, so that its sum over micro-batches and ranks is the step's; TRL's `aux_loss` metric as TRL's."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        term = self.router_aux_loss_coef * aux_loss.to(loss.device) / accumulation
+        metrics = dict(metrics)
+        share = term.detach() / self.accelerator.num_processes
+        metrics["loss/router_aux"] = share
+        metrics["loss/total"] = metrics["loss/total"] + share
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
+        return loss + term, metrics
