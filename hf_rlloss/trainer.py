@@ -55,6 +55,7 @@ from .context import BaseRLLossContext
 from .fields import FROM_TRL, pad_value
 from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
+from .multimodal import SP_REFUSAL, backbone_inputs, multimodal_inputs, multimodal_rows
 from .sequence_parallel import (
     build_sp_mesh,
     register_ulysses_attention,
@@ -532,8 +533,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
             )
         self.beta = 0.0  # TRL's KL stays off; see rl_loss_config.use_kl_loss
 
-        if self._is_vlm:
-            raise ValueError("RLLossGRPOTrainer does not support vision-language models yet")
+        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/multimodal.py
+            raise ValueError(SP_REFUSAL)
         if self.aux_loss_enabled and args.sp_size > 1:
             raise ValueError(
                 f"sp_size={args.sp_size}: the MoE router load-balancing loss is a product of means over all tokens "
@@ -884,22 +885,27 @@ class RLLossGRPOTrainer(GRPOTrainer):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        multimodal: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
         with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
 
         Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
         sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
-        `position_ids` of the shard (restarting at 0 at each packed sequence).
+        `position_ids` of the shard (restarting at 0 at each packed sequence). A VLM's backbone also gets the
+        batch's `multimodal` fields (`multimodal_inputs`: images and the fields TRL built), and computes its own
+        positions where it derives them from the image grid (M-RoPE, see `backbone_inputs`).
         """
         backbone = self._causal_lm(unwrapped).base_model
-        if position_ids is None and attention_mask is not None:
+        vision_inputs, our_positions = backbone_inputs(backbone, multimodal)  # VLM
+        if position_ids is None and attention_mask is not None and our_positions:
             # The positions HF generate gives a left-padded batch (counted from the first real token), so that the
             # trainer's log-probs see the same positions as the rollout's (not offset by the left padding).
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         extra = {} if position_ids is None else {"position_ids": position_ids}
         if output_router_logits:
             extra["output_router_logits"] = True
+        extra.update(vision_inputs)  # VLM
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         if output_router_logits:
@@ -1004,13 +1010,14 @@ class RLLossGRPOTrainer(GRPOTrainer):
         logits_to_keep: int,
         batch_size: int | None = None,
         truncation: LogitsProcessorList | None = None,
+        multimodal: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
         Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
         sequence parallelism every rank of the SP group must call it with the same rows (see `_sp_per_token_logps`).
         With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
-        `(B, logits_to_keep)`, from the same pass.
+        `(B, logits_to_keep)`, from the same pass. A VLM's `multimodal` fields are cut by rows with them.
         """
         batch_size = batch_size or input_ids.size(0)
         if self.sp_mesh is not None:
@@ -1019,15 +1026,18 @@ class RLLossGRPOTrainer(GRPOTrainer):
             columns = 1 if truncation is None else 2
             out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
 
-            def forward(unwrapped, ids, mask):
-                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
+            def forward(unwrapped, ids, mask, vision):
+                hidden = self.compute_hidden_states(unwrapped, ids, mask, multimodal=vision)
+                hidden = hidden[:, -logits_to_keep - 1 : -1]
                 valid = mask[:, -logits_to_keep:].bool()
                 labels = ids[:, -logits_to_keep:][valid]
                 return self._project_logprobs(unwrapped, hidden[valid], labels, truncation), valid
 
             for start in range(0, input_ids.size(0), batch_size):
                 rows = slice(start, start + batch_size)
-                logps, valid = self._call_through_wrapper(model, forward, input_ids[rows], attention_mask[rows])
+                vision = multimodal_rows(multimodal or {}, rows, input_ids.size(0))  # VLM
+                ids, mask = input_ids[rows], attention_mask[rows]
+                logps, valid = self._call_through_wrapper(model, forward, ids, mask, vision)
                 block = out[rows]
                 block[valid] = logps.float().reshape(-1, columns)
         return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
@@ -1086,12 +1096,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
             # group has pooled it (`_generate_and_score_completions`), on the packed sharded path.
             self._sp_deferred_old_logps = True
             return None, None, None
-        if (
-            torch.is_grad_enabled()
-            or compute_entropy
-            or compute_aux_loss
-            or any(v is not None for v in multimodal.values())
-        ):
+        if torch.is_grad_enabled() or compute_entropy or compute_aux_loss:
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -1102,12 +1107,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 compute_aux_loss=compute_aux_loss,
                 **multimodal,
             )
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
+        vision = multimodal_inputs(multimodal)  # VLM
         if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
-            logps, self._stashed_kept_logmass = self.compute_per_token_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, truncation=self._truncation_replay
-            )
+            logps, self._stashed_kept_logmass = self.compute_per_token_logps(*args, self._truncation_replay, vision)
             return logps, None, None
-        return self.compute_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size), None, None
+        return self.compute_per_token_logps(*args, None, vision), None, None
 
     @torch.no_grad()
     def compute_ref_per_token_logps(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -1115,11 +1120,12 @@ class RLLossGRPOTrainer(GRPOTrainer):
         input_ids, attention_mask = _sequences(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
+        args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch))  # VLM
         if self.ref_model is not None:
-            return self.compute_per_token_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size)
+            return self.compute_per_token_logps(self.ref_model, *args)
         peft_model = self.accelerator.unwrap_model(self.model)
         with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
-            return self.compute_per_token_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
+            return self.compute_per_token_logps(self.model, *args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
@@ -1194,8 +1200,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
             input_ids, attention_mask = _sequences(batch)
             batch_size = self.args.per_device_train_batch_size if self.model.training else None
             with _activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+                length = batch["completion_ids"].size(1)
                 logps = self.compute_per_token_logps(
-                    self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size, replay
+                    self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch)
                 )
             if replay is None:
                 batch["old_per_token_logps"] = logps
@@ -1350,7 +1357,9 @@ class RLLossGRPOTrainer(GRPOTrainer):
         else:
             input_ids, attention_mask = _sequences(inputs)
             length = inputs["completion_ids"].size(1)
-            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
+            hidden = self.compute_hidden_states(
+                unwrapped, input_ids, attention_mask, multimodal=multimodal_inputs(inputs)
+            )[:, -length - 1 : -1]
         return self._head_loss(unwrapped, hidden, ctx)
 
     def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
@@ -1363,7 +1372,7 @@ class RLLossGRPOTrainer(GRPOTrainer):
         input_ids, attention_mask = _sequences(inputs)
         length = inputs["completion_ids"].size(1)
         hidden, router_logits = self.compute_hidden_states(
-            unwrapped, input_ids, attention_mask, output_router_logits=True
+            unwrapped, input_ids, attention_mask, output_router_logits=True, multimodal=multimodal_inputs(inputs)
         )
         lm = self._causal_lm(unwrapped)
         aux_loss = _load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
