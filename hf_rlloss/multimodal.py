@@ -6,6 +6,10 @@ model's forward. `RLLossGRPOTrainer` runs the same forward one level down, on th
 `Gemma3Model`, `Qwen2VLModel`: vision tower, projector and language model, without the LM head), and applies the LM
 head in its chunked loss. This module says which fields go to that forward, and cuts them by rows for the no-grad
 passes that score a generation batch a few rows at a time.
+
+TRL also suppresses a VLM's image token in generation (`suppress_tokens`: a sampled image token would not match the
+image features). That cuts the support of the sampling distribution, as top-k does; the rollout log-probs recorded
+from HF `generate` treat it as such (`detach_token_suppression`, `token_suppression_replay`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+)
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
@@ -78,3 +89,38 @@ def backbone_inputs(backbone: nn.Module, fields: dict[str, Any] | None) -> tuple
     kwargs = {key: value for key, value in (fields or {}).items() if isinstance(value, torch.Tensor)}
     has_grid = "image_grid_thw" in kwargs or "video_grid_thw" in kwargs
     return kwargs, not (has_grid and hasattr(backbone, "get_rope_index"))
+
+
+# Processors that may sit between a token suppression and the truncating warpers: each sets logits to -inf or divides
+# them by a positive constant, so each commutes with setting other logits to -inf.
+_COMMUTES_WITH_SUPPRESSION = (
+    TemperatureLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+)
+
+
+def detach_token_suppression(processors: LogitsProcessorList, cut: int) -> list[LogitsProcessor]:
+    """Take the token suppressions (`SuppressTokensLogitsProcessor`: TRL's suppressed image token) out of the
+    processors before index `cut` (the first truncating warper, or the end) and return them, to be put back at the
+    cut, after the temperature; the list is changed in place.
+
+    The sampling distribution is unchanged (the processors moved over commute with the suppression), and the
+    distribution just before the cut is the full-vocabulary one, after the temperature, that the trainer's log-probs
+    describe: the recorder reads the token's log-prob there and reports the suppressed mass as truncated, not as a
+    rollout/trainer mismatch. Nothing is moved when another kind of processor sits in between.
+    """
+    first = next((i for i, p in enumerate(processors[:cut]) if isinstance(p, SuppressTokensLogitsProcessor)), None)
+    if first is None or not all(isinstance(p, _COMMUTES_WITH_SUPPRESSION) for p in processors[first:cut]):
+        return []
+    suppressions = [p for p in processors[first:cut] if isinstance(p, SuppressTokensLogitsProcessor)]
+    for processor in suppressions:
+        processors.remove(processor)
+    return suppressions
+
+
+def token_suppression_replay(generation_config: Any) -> list[LogitsProcessor]:
+    """The generation config's token suppression, to replay on the trainer's distribution with the truncating warpers
+    (`rollout_logprobs_support="sampled"`), first as in generation after `detach_token_suppression`."""
+    tokens = getattr(generation_config, "suppress_tokens", None)
+    return [SuppressTokensLogitsProcessor(tokens)] if tokens else []

@@ -55,7 +55,14 @@ from .context import BaseRLLossContext
 from .fields import FROM_TRL, pad_value
 from .hub import complete_model_card
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
-from .multimodal import SP_REFUSAL, backbone_inputs, multimodal_inputs, multimodal_rows
+from .multimodal import (
+    SP_REFUSAL,
+    backbone_inputs,
+    detach_token_suppression,
+    multimodal_inputs,
+    multimodal_rows,
+    token_suppression_replay,
+)
 from .sequence_parallel import (
     build_sp_mesh,
     register_ulysses_attention,
@@ -309,9 +316,11 @@ class SampledTokenLogprobs(LogitsProcessor):
 
     def install(self, processors: LogitsProcessorList) -> LogitsProcessorList:
         """Insert `before_truncation` before the first truncating warper and append the recorder (in place)."""
-        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), None)
-        if cut is not None:
-            processors.insert(cut, self.before_truncation)
+        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), len(processors))
+        suppressions = detach_token_suppression(processors, cut)  # VLM: TRL's suppressed image token
+        cut -= len(suppressions)
+        if cut < len(processors) or suppressions:
+            processors[cut:cut] = [self.before_truncation, *suppressions]
         processors.append(self)
         return processors
 
@@ -685,6 +694,8 @@ class RLLossGRPOTrainer(GRPOTrainer):
                 f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
             )
         warpers = LogitsProcessorList()
+        if self._records_hf_rollout_logprobs():
+            warpers.extend(token_suppression_replay(self.generation_config))  # VLM: TRL's suppressed image token
         if settings["top_k"] is not None and settings["top_k"] > 0:
             warpers.append(TopKLogitsWarper(top_k=int(settings["top_k"])))
         if settings["top_p"] is not None and settings["top_p"] < 1.0:

@@ -87,7 +87,12 @@ def _gemma3():
         Gemma3Config,
         text_config=dict(vocab_size=len(tok), head_dim=8, sliding_window=16, layer_types=LAYERS, **TEXT),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
         ),
         mm_tokens_per_image=4,
         image_token_id=tok.image_token_id,
@@ -262,3 +267,30 @@ def test_sequence_parallelism_refused(vlm, tmp_path):
     with pytest.raises(ValueError, match="sequence parallelism .* does not support vision-language models"):
         _trainer(vlm, RLLossGRPOTrainer, args)
     assert "shard" in SP_REFUSAL
+
+
+@pytest.mark.parametrize("support", ["full", "sampled"])
+def test_generate_rollout_logprobs_match_the_trainer_on_left_padded_prompts(vlm, tmp_path, support):
+    """Real HF `generate` (sampling) on prompts of different lengths, so every batch is left-padded: the log-probs
+    recorded during generation equal the trainer's (from its loss forward) to float32 noise at every step, so the
+    trainer sees the images, token types and positions that generation did (M-RoPE positions for Qwen2-VL). TRL
+    suppresses the image token in generation: that is a truncation of the support, reported as the kept mass (about
+    1 − 1/V for a random model), and compared on the full vocabulary or replayed on the trainer's distribution."""
+    _, processor, make_model, _ = vlm
+    prompts = [[{"role": "user", "content": "?" * (1 + i % 9)}] for i in range(16)]
+    dataset = _dataset().remove_columns("prompt").add_column("prompt", prompts)
+    args = RLLossGRPOConfig(
+        output_dir=str(tmp_path), **{**BASE_ARGS, "max_steps": 2}, rollout_logprobs_support=support
+    )
+    trainer = RLLossGRPOTrainer(
+        make_model(), [reward_length], args=args, train_dataset=dataset, processing_class=processor
+    )
+    assert trainer.generation_config.suppress_tokens == [trainer.model.config.image_token_id]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == 2
+    vocab = len(processor.tokenizer)
+    for log in logs:
+        assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-5, log
+        assert log["mismatch/mismatch_k3_kl"] <= 1e-8, log
+        assert 1 - 3 / vocab < log["mismatch/kept_mass_min"] <= log["mismatch/kept_mass_mean"] < 1 - 1e-4, log
