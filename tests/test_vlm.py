@@ -22,17 +22,22 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3Processor,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
     PreTrainedTokenizerFast,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
 )
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_rlloss.multimodal import MULTIMODAL_FIELDS, SP_REFUSAL, multimodal_inputs
-from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer, SampledTokenLogprobs
 
 torch.set_num_threads(1)
 
@@ -294,3 +299,40 @@ def test_generate_rollout_logprobs_match_the_trainer_on_left_padded_prompts(vlm,
         assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-5, log
         assert log["mismatch/mismatch_k3_kl"] <= 1e-8, log
         assert 1 - 3 / vocab < log["mismatch/kept_mass_min"] <= log["mismatch/kept_mass_mean"] < 1 - 1e-4, log
+
+
+@pytest.mark.parametrize("top_k", [None, 8])
+def test_recorder_treats_token_suppression_as_truncation(top_k):
+    """Closed form (float64 reference): with a suppressed token (TRL's image token) the sampling distribution is
+    unchanged, the recorded log-prob is `log_softmax(z / T)` over the whole vocabulary, and the kept log-mass is that
+    of the tokens neither suppressed nor cut by top-k."""
+    torch.manual_seed(0)
+    vocab, temperature = 30, 0.7
+
+    def processors():  # HF's order: the suppression before the temperature and the truncating warpers
+        warpers = [SuppressTokensLogitsProcessor([2, 5]), TemperatureLogitsWarper(temperature)]
+        return LogitsProcessorList(warpers + ([TopKLogitsWarper(top_k)] if top_k else []))
+
+    recorder = SampledTokenLogprobs()
+    installed = recorder.install(processors())
+    assert isinstance(installed[1], type(recorder.before_truncation)), installed
+    assert isinstance(installed[2], SuppressTokensLogitsProcessor), installed  # after the temperature
+    ids, scores = torch.zeros(3, 1, dtype=torch.long), torch.randn(3, vocab)
+    final = installed(ids, scores.clone())
+    torch.testing.assert_close(final, processors()(ids, scores.clone()), atol=0, rtol=0)  # same sampling
+    token = final.argmax(dim=-1)
+    logps, kept_logmass = recorder.finish(token)
+    full = torch.log_softmax(scores.double() / temperature, dim=-1)
+    expected_kept = torch.logsumexp(full.masked_fill(~torch.isfinite(final), float("-inf")), dim=-1)
+    torch.testing.assert_close(logps[:, 0].double(), full.gather(-1, token[:, None])[:, 0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(kept_logmass[:, 0].double(), expected_kept, atol=1e-6, rtol=0)
+    assert (kept_logmass < -1e-3).all()
+
+
+def test_recorder_leaves_a_suppression_it_cannot_move():
+    """A processor that is not known to commute with the suppression sits between it and the temperature: nothing
+    moves (the order of the processors is HF's)."""
+    recorder = SampledTokenLogprobs()
+    original = [SuppressTokensLogitsProcessor([2]), MinLengthLogitsProcessor(3, 1), TemperatureLogitsWarper(0.7)]
+    installed = recorder.install(LogitsProcessorList(original))
+    assert list(installed) == [*original, recorder]
