@@ -484,9 +484,17 @@ class RLLossGRPOTrainer(GRPOTrainer):
     **Final-logit softcapping** (Gemma 2's `final_logit_softcapping`) is read from the model config into
     `rl_loss.logit_softcapping`: the chunked head computes `c·tanh(z/c)` before the temperature, and its gradient.
 
-    **Not supported** (rejected at construction): vision-language models, an LM head with a bias or a LoRA adapter
-    on the head itself, softcapping together with a logit scale. A logit scale (`logit_scale`, `logits_scaling`, …)
-    is folded into the temperature.
+    **Vision-language models** (a processor as `processing_class`, as in TRL): the backbone (vision tower, projector
+    and language model, e.g. `Gemma3Model`, `Qwen2VLModel`) runs on the multimodal fields TRL builds (`pixel_values`,
+    `image_grid_thw`, `token_type_ids`, …, see `hf_rlloss.multimodal`), cut by rows for the no-grad passes, and the
+    chunked LM head computes the loss as for a text model. Backbones with M-RoPE (Qwen-VL) compute their positions
+    from the image grid, as in generation. TRL's suppressed image token in HF generation is a cut of the sampling
+    support: the rollout log-probs treat it as one (kept mass). Not with sequence parallelism (a shard of a packed
+    row cannot place the image features of its sequences).
+
+    **Not supported** (rejected at construction): an LM head with a bias or a LoRA adapter on the head itself,
+    softcapping together with a logit scale, a vision-language model with sequence parallelism. A logit scale
+    (`logit_scale`, `logits_scaling`, …) is folded into the temperature.
     """
 
     _tag_names = ["trl", "grpo", "hf-rlloss"]
