@@ -9,6 +9,9 @@ conversational with one generated PIL image each, of equal length (no left paddi
 
 from __future__ import annotations
 
+import os
+
+import _launch
 import pytest
 import torch
 from _trainer_utils import BASE_ARGS, trainable_snapshot
@@ -187,3 +190,34 @@ def test_recorder_leaves_a_suppression_it_cannot_move():
     original = [SuppressTokensLogitsProcessor([2]), MinLengthLogitsProcessor(3, 1), TemperatureLogitsWarper(0.7)]
     installed = recorder.install(LogitsProcessorList(original))
     assert list(installed) == [*original, recorder]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("HF_RLLOSS_FULL_MATRIX"), reason="four launches (about a minute): HF_RLLOSS_FULL_MATRIX=1"
+)
+@pytest.mark.parametrize("name", sorted(VLMS))
+def test_two_processes_match_one(tmp_path, name):
+    """DDP: 2 ranks × 2 sequences × GA 2 == 1 rank × 4 sequences × GA 2 on a VLM, off-policy second step, with the
+    KL to the reference: the images of each rank's rows reach its forwards (and the unused vision parameters, e.g.
+    SigLIP's pooling head, do not stop DDP)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_vlm_script.py")
+    runs = {"one": (_launch.torchrun(1), "4"), "two": (_launch.torchrun(2), "2")}
+    results = {}
+    for run, (launcher, batch) in runs.items():
+        out = tmp_path / f"{run}.pt"
+        cmd = [*launcher, script, "--model", name, "--per-device-batch-size", batch, "--out", str(out)]
+        result = _launch.run(cmd, timeout=600, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        results[run] = torch.load(out)
+    one, two = results["one"], results["two"]
+    assert (one["world_size"], two["world_size"], two["ddp"]) == (1, 2, "DistributedDataParallel")
+    diff = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
+    assert diff < 1e-6, diff
+    steps = [(a, b) for a, b in zip(one["history"], two["history"], strict=True) if "loss/total" in a]
+    assert len(steps) == 2
+    for a, b in steps:
+        assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
+        assert abs(a["loss/total"] - b["loss/total"]) < 1e-6
+    assert steps[1][0]["train_policy/ref_kl"] > 0
