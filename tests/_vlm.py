@@ -164,6 +164,21 @@ def reward_checksum(completions, **kwargs):
     return [float(zlib.crc32(_text(c).encode()) % 3) for c in completions]
 
 
+def make_trainer(trainer_cls, args, processor, make_model, image_specials: int, **kwargs):
+    """`trainer_cls` (TRL's `GRPOTrainer` or `RLLossGRPOTrainer`) on a fresh model and the image dataset, with fixed
+    completions."""
+    trainer = trainer_cls(
+        make_model(),
+        [reward_length, reward_checksum],
+        args=args,
+        train_dataset=make_dataset(),
+        processing_class=processor,
+        **kwargs,
+    )
+    patch_generation(trainer, processor, image_specials)
+    return trainer
+
+
 def patch_generation(trainer, processor, image_specials: int) -> None:
     """Fixed completions (a function of the prompt only, see `FixedCompletions`) that never hold an image token."""
     completions = FixedCompletions(processor.tokenizer, trainer.max_completion_length)

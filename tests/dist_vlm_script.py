@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _trainer_utils import BASE_ARGS, finish_distributed, trainable_snapshot  # noqa: E402
-from _vlm import make_dataset, make_vlm, patch_generation, reward_checksum, reward_length  # noqa: E402
+from _vlm import make_trainer, make_vlm  # noqa: E402
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
 
@@ -37,28 +37,13 @@ def main() -> None:
         optim="sgd",
         beta=0.1,  # reference log-probs of the in-memory policy's copy, with the images
     )
-    trainer = RLLossGRPOTrainer(
-        make_model(),
-        [reward_length, reward_checksum],
-        args=args,
-        train_dataset=make_dataset(),
-        processing_class=processor,
-    )
-    patch_generation(trainer, processor, image_specials)
+    trainer = make_trainer(RLLossGRPOTrainer, args, processor, make_model, image_specials)
     trainer.train()
     if trainer.accelerator.is_main_process:
-        history = [
-            {k: v for k, v in h.items() if k.startswith(("loss", "train_policy/"))} for h in trainer.state.log_history
-        ]
-        torch.save(
-            {
-                "params": trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model)),
-                "world_size": trainer.accelerator.num_processes,
-                "ddp": type(trainer.model_wrapped).__name__,
-                "history": history,
-            },
-            cli.out,
-        )
+        params = trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model))
+        steps = [h for h in trainer.state.log_history if "loss/total" in h]
+        run = {"world_size": trainer.accelerator.num_processes, "ddp": type(trainer.model_wrapped).__name__}
+        torch.save({"params": params, "steps": steps, **run}, cli.out)
     finish_distributed()
 
 

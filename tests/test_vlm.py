@@ -15,7 +15,7 @@ import _launch
 import pytest
 import torch
 from _trainer_utils import BASE_ARGS, trainable_snapshot
-from _vlm import VLMS, make_dataset, make_vlm, patch_generation, reward_checksum, reward_length, vision_tower
+from _vlm import VLMS, make_dataset, make_trainer, make_vlm, reward_length, vision_tower
 from transformers import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
@@ -41,17 +41,7 @@ def vlm(request):
 
 
 def _trainer(vlm, trainer_cls, args, **kwargs):
-    _, processor, make_model, image_specials = vlm
-    trainer = trainer_cls(
-        make_model(),
-        [reward_length, reward_checksum],
-        args=args,
-        train_dataset=make_dataset(),
-        processing_class=processor,
-        **kwargs,
-    )
-    patch_generation(trainer, processor, image_specials)
-    return trainer
+    return make_trainer(trainer_cls, args, *vlm[1:], **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -215,7 +205,7 @@ def test_two_processes_match_one(tmp_path, name):
     assert (one["world_size"], two["world_size"], two["ddp"]) == (1, 2, "DistributedDataParallel")
     diff = max((one["params"][k] - two["params"][k]).abs().max().item() for k in one["params"])
     assert diff < 1e-6, diff
-    steps = [(a, b) for a, b in zip(one["history"], two["history"], strict=True) if "loss/total" in a]
+    steps = list(zip(one["steps"], two["steps"], strict=True))
     assert len(steps) == 2
     for a, b in steps:
         assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
