@@ -185,7 +185,7 @@ def test_recorder_leaves_a_suppression_it_cannot_move():
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not os.environ.get("HF_RLLOSS_FULL_MATRIX"), reason="four launches (about a minute): HF_RLLOSS_FULL_MATRIX=1"
+    not os.environ.get("HF_RLLOSS_FULL_MATRIX"), reason="four launches (1-2 minutes): HF_RLLOSS_FULL_MATRIX=1"
 )
 @pytest.mark.parametrize("name", sorted(VLMS))
 def test_two_processes_match_one(tmp_path, name):
