@@ -62,6 +62,14 @@ def multimodal_rows(fields: dict[str, Any], rows: slice, num_rows: int) -> dict[
     Image tensors hold one entry per image, patch or tile rather than per sequence: TRL's own
     `split_pixel_values_by_grid` cuts them into one item per sequence (as its `_prepare_inputs` does to split a
     generation batch into micro-batches), the rows are selected, and `unsplit_pixel_values_by_grid` joins them again.
+
+    Args:
+        fields (`dict[str, Any]`): the batch's multimodal fields (`multimodal_inputs`).
+        rows (`slice`): the sequences to keep.
+        num_rows (`int`): the batch's number of sequences.
+
+    Returns:
+        `dict[str, Any]`: the same keys, for the sequences `rows` only (`fields` itself when `rows` covers the batch).
     """
     if not fields or (rows.start in (0, None) and rows.stop is not None and rows.stop >= num_rows):
         return fields
@@ -85,6 +93,14 @@ def backbone_inputs(backbone: nn.Module, fields: dict[str, Any] | None) -> tuple
     which have `get_rope_index`) is given no positions when a grid is present: it derives them from the ids, the grid
     and the attention mask (left padding included), as its `generate` does. Other VLMs (LLaVA, Gemma 3, ...) number
     their positions like a text model, so the trainer's positions (counted from the first real token) apply.
+
+    Args:
+        backbone (`nn.Module`): the model's backbone (`base_model`), whose forward gets the fields.
+        fields (`dict[str, Any]`, *optional*): the rows' multimodal fields; `None` or empty for a text model.
+
+    Returns:
+        `tuple[dict[str, torch.Tensor], bool]`: the keyword arguments, and `True` unless the backbone computes its
+        positions itself.
     """
     kwargs = {key: value for key, value in (fields or {}).items() if isinstance(value, torch.Tensor)}
     has_grid = "image_grid_thw" in kwargs or "video_grid_thw" in kwargs
@@ -109,6 +125,13 @@ def detach_token_suppression(processors: LogitsProcessorList, cut: int) -> list[
     distribution just before the cut is the full-vocabulary one, after the temperature, that the trainer's log-probs
     describe: the recorder reads the token's log-prob there and reports the suppressed mass as truncated, not as a
     rollout/trainer mismatch. Nothing is moved when another kind of processor sits in between.
+
+    Args:
+        processors (`LogitsProcessorList`): HF generate's processors, changed in place.
+        cut (`int`): the index of the first truncating warper, or `len(processors)`.
+
+    Returns:
+        `list[LogitsProcessor]`: the suppressions taken out (empty when none is, or none can be moved).
     """
     first = next((i for i, p in enumerate(processors[:cut]) if isinstance(p, SuppressTokensLogitsProcessor)), None)
     if first is None or not all(isinstance(p, _COMMUTES_WITH_SUPPRESSION) for p in processors[first:cut]):
