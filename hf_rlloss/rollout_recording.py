@@ -30,6 +30,8 @@ from transformers import (
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
+from .multimodal import detach_token_suppression, token_suppression_replay
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -92,9 +94,11 @@ class SampledTokenLogprobs(LogitsProcessor):
 
     def install(self, processors: LogitsProcessorList) -> LogitsProcessorList:
         """Insert `before_truncation` before the first truncating warper and append the recorder (in place)."""
-        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), None)
-        if cut is not None:
-            processors.insert(cut, self.before_truncation)
+        cut = next((i for i, p in enumerate(processors) if isinstance(p, TRUNCATING_WARPERS)), len(processors))
+        suppressions = detach_token_suppression(processors, cut)  # VLM: TRL's suppressed image token
+        cut -= len(suppressions)
+        if cut < len(processors) or suppressions:
+            processors[cut:cut] = [self.before_truncation, *suppressions]
         processors.append(self)
         return processors
 
@@ -254,6 +258,9 @@ def truncation_replay(
             f"{', '.join(f'{k}={v}' for k, v in others.items())}: use rollout_logprobs_support='full'"
         )
     warpers = replay_warpers(**settings)
+    if recorded_by_hf:  # VLM: TRL's suppressed image token cuts the sampled support too, before top-k/p
+        suppressions = token_suppression_replay(generation_config)
+        warpers = LogitsProcessorList([*suppressions, *(warpers or [])]) or None
     if warpers is not None and not recorded_by_hf:
         logger.warning_once(
             f"sampling is truncated ({', '.join(type(w).__name__ for w in warpers)}) and the rollout log-probs of "

@@ -45,6 +45,7 @@ from .lm_head import (
     with_model_softcapping,
 )
 from .metrics import accumulate_metrics, finalize_train_policy_metrics
+from .multimodal import SP_REFUSAL, multimodal_inputs
 from .recipe_support.hub import complete_model_card
 from .rollout_recording import (
     REPLAYED_SETTINGS,
@@ -233,8 +234,8 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
             )
         self.beta = 0.0  # TRL's KL stays off; see rl_loss_config.use_kl_loss
 
-        if self._is_vlm:
-            raise ValueError("RLLossGRPOTrainer does not support vision-language models yet")
+        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/multimodal.py
+            raise ValueError(SP_REFUSAL)
         self._setup_loss_layer(args, reference)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -441,12 +442,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         if self._sp_old_logps != "compute" and not torch.is_grad_enabled():
             self._sp_old_logps = "deferred"
             return None, None, None
-        if (
-            torch.is_grad_enabled()
-            or compute_entropy
-            or compute_aux_loss
-            or any(v is not None for v in multimodal.values())
-        ):
+        if torch.is_grad_enabled() or compute_entropy or compute_aux_loss:
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -457,12 +453,12 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
                 compute_aux_loss,
                 **multimodal,
             )
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
+        vision = multimodal_inputs(multimodal)  # VLM
         if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
-            logps, self._stashed_kept_logmass = self.compute_per_token_logps(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, truncation=self._truncation_replay
-            )
+            logps, self._stashed_kept_logmass = self.compute_per_token_logps(*args, self._truncation_replay, vision)
             return logps, None, None
-        return self.compute_per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size), None, None
+        return self.compute_per_token_logps(*args, None, vision), None, None
 
     def _compute_loss(self, model, inputs):
         # TRL override: the loss of the micro-batch's context (built in `_prepare_inputs`, or here in evaluation).
@@ -669,9 +665,10 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
             return
         input_ids, attention_mask = prompt_and_completion(batch)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
+        length = batch["completion_ids"].size(1)
         with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
             logps = self.compute_per_token_logps(
-                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size, replay
+                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch)
             )
         if replay is None:
             batch["old_per_token_logps"] = logps

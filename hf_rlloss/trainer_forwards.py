@@ -23,6 +23,7 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 from .context import BaseRLLossContext
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
+from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
 from .sequence_parallel import ulysses_sequence_parallel
 from .sp_batch import SPMicroBatch
 
@@ -48,22 +49,27 @@ class LossLayerForwards:
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        multimodal: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
         with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
 
         Called inside the wrapped model's forward (see `_call_through_wrapper`), so DDP/FSDP hooks fire. Under
         sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
-        `position_ids` of the shard (restarting at 0 at each packed sequence).
+        `position_ids` of the shard (restarting at 0 at each packed sequence). A VLM's backbone also gets the
+        batch's `multimodal` fields (`multimodal_inputs`: images and the fields TRL built), and computes its own
+        positions where it derives them from the image grid (M-RoPE, see `backbone_inputs`).
         """
         backbone = self._causal_lm(unwrapped).base_model
-        if position_ids is None and attention_mask is not None:
+        vision_inputs, our_positions = backbone_inputs(backbone, multimodal)  # VLM
+        if position_ids is None and attention_mask is not None and our_positions:
             # The positions HF generate gives a left-padded batch (counted from the first real token), so that the
             # trainer's log-probs see the same positions as the rollout's (not offset by the left padding).
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         extra = {} if position_ids is None else {"position_ids": position_ids}
         if output_router_logits:
             extra["output_router_logits"] = True
+        extra.update(vision_inputs)  # VLM
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         if output_router_logits:
@@ -88,20 +94,23 @@ class LossLayerForwards:
         logits_to_keep: int,
         batch_size: int | None = None,
         truncation: LogitsProcessorList | None = None,
+        multimodal: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
         Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
         sequence parallelism every rank of the SP group must call it with the same rows (see `_block_logps`).
         With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
-        `(B, logits_to_keep)`, from the same pass.
+        `(B, logits_to_keep)`, from the same pass. A VLM's `multimodal` fields are cut by rows with them.
         """
         batch_size = batch_size or input_ids.size(0)
         columns = 1 if truncation is None else 2
         out = torch.zeros(input_ids.size(0), logits_to_keep, columns, dtype=torch.float32, device=input_ids.device)
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
-            out[rows] = self._block_logps(model, input_ids[rows], attention_mask[rows], logits_to_keep, truncation)
+            vision = multimodal_rows(multimodal or {}, rows, input_ids.size(0))  # VLM
+            ids, mask = input_ids[rows], attention_mask[rows]
+            out[rows] = self._block_logps(model, ids, mask, logits_to_keep, truncation, vision)
         return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
 
     @torch.no_grad()
@@ -110,11 +119,12 @@ class LossLayerForwards:
         input_ids, attention_mask = prompt_and_completion(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
+        args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch))  # VLM
         if self.ref_model is not None:
-            return self.compute_per_token_logps(self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size)
+            return self.compute_per_token_logps(self.ref_model, *args)
         peft_model = self.accelerator.unwrap_model(self.model)
         with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
-            return self.compute_per_token_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
+            return self.compute_per_token_logps(self.model, *args)
 
     def _call_through_wrapper(self, model: nn.Module, fn, *args: Any) -> Any:
         """``fn(unwrapped, *args)`` inside ``model``'s forward (see `engines.call_through_wrapper`)."""
@@ -130,7 +140,9 @@ class LossLayerForwards:
         else:
             input_ids, attention_mask = prompt_and_completion(inputs)
             length = inputs["completion_ids"].size(1)
-            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask)[:, -length - 1 : -1]
+            vision = multimodal_inputs(inputs)  # VLM
+            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask, multimodal=vision)
+            hidden = hidden[:, -length - 1 : -1]
         return self._head_loss(unwrapped, hidden, ctx)
 
     def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
@@ -139,7 +151,7 @@ class LossLayerForwards:
         input_ids, attention_mask = prompt_and_completion(inputs)
         length = inputs["completion_ids"].size(1)
         hidden, router_logits = self.compute_hidden_states(
-            unwrapped, input_ids, attention_mask, output_router_logits=True
+            unwrapped, input_ids, attention_mask, output_router_logits=True, multimodal=multimodal_inputs(inputs)
         )
         lm = self._causal_lm(unwrapped)
         aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
@@ -155,14 +167,15 @@ class LossLayerForwards:
                 hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
             )
 
-    def _block_logps(self, model, ids, mask, logits_to_keep: int, truncation) -> torch.Tensor:
+    def _block_logps(self, model, ids, mask, logits_to_keep: int, truncation, vision=None) -> torch.Tensor:
         """`(b, logits_to_keep, columns)` log-probs (and kept log-masses) of one block of rows. Under SP the block is
         packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
         completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
         if self.sp_mesh is None:
 
             def forward(unwrapped):
-                hidden = self.compute_hidden_states(unwrapped, ids, mask)[:, -logits_to_keep - 1 : -1]
+                hidden = self.compute_hidden_states(unwrapped, ids, mask, multimodal=vision)
+                hidden = hidden[:, -logits_to_keep - 1 : -1]
                 return self._valid_logps(unwrapped, hidden, completion_ids, completion_mask.bool(), truncation)
 
             return self._call_through_wrapper(model, forward)
