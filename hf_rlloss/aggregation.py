@@ -2,7 +2,8 @@
 
 Every mode is a weighted sum ``L = Σ_t w_t·ℓ_t`` over all valid tokens of all micro-batches of the step on all
 data-parallel (and sequence-parallel) ranks, with (``m`` the valid mask, ``n_i`` the valid tokens of sequence ``i``,
-``N`` = Σ m and ``S`` the number of non-empty sequences, both global):
+``N`` = Σ m and ``S`` the number of non-empty sequences, or of all sequences, empty ones included, with
+``count_empty_sequences`` (as TRL's ``grpo``/``dr_grpo`` count rows); both global):
 
 | mode | weight ``w_t`` | used by |
 |---|---|---|
@@ -39,7 +40,8 @@ def aggregation_weights(
         seq_token_counts (`torch.Tensor`): `(S_local,)`, the valid tokens of each whole sequence (over all SP shards).
         mode (`str`): the aggregation mode.
         global_tokens (`float`): valid tokens of the whole step, all ranks.
-        global_sequences (`float`): non-empty sequences of the whole step, all ranks.
+        global_sequences (`float`): sequences of the whole step, all ranks: the non-empty ones, or all of them with
+            `count_empty_sequences` (the caller counts, see `GRPOLossContext.build_batches`).
         loss_scale_factor (`float`, *optional*): the constant ``C`` of ``seq-mean-token-sum-norm``.
 
     Returns:

@@ -164,6 +164,14 @@ class BaseRLLossConfig(BaseModel):
             GSPO, GMPO and SAPO). Every mode is normalized over the whole optimizer step on all ranks.
         loss_scale_factor (`float`, *optional*): the constant `C` of `seq-mean-token-sum-norm` (Dr. GRPO), typically
             the maximum completion length; required by that mode.
+        count_empty_sequences (`bool`, *optional*, defaults to `False`): whether the sequence count `S` of the
+            `seq-mean-*` modes includes the step's empty sequences (no valid token: a completion masked out whole, e.g.
+            by TRL's `mask_truncated_completions`, or one whose every token was dropped by rollout IS or
+            `nonfinite_inputs="mask"`). Off, `S` counts the non-empty sequences, so the sequences that train are
+            averaged; on, `S` counts every sequence of the step (each row, or each `num_tokens` segment of a packed
+            row, so a padding segment counts too; SP padding is no sequence), as TRL's `grpo`, `sapo`, `luspo` and
+            `dr_grpo` count every row: masking a sequence then shrinks the update instead of re-weighting the others.
+            `RLLossGRPOTrainer` turns it on when it maps those TRL loss types. Not with `token-mean` (no `S`).
         ignore_idx (`int`, *optional*, defaults to `-100`): label of positions without loss.
         chunk_size (`int`, *optional*): tokens per chunk when the loss is computed from hidden states; peak extra
             memory is about `chunk_size × vocab` logits (4 bytes each, 2 in half precision). Defaults to a power of
@@ -210,6 +218,7 @@ class BaseRLLossConfig(BaseModel):
     off_policy_mask_threshold: float | None = Field(None, ge=0, allow_inf_nan=False)
     loss_agg_mode: AggMode | None = None
     loss_scale_factor: float | None = Field(None, gt=0)
+    count_empty_sequences: bool = False
     ignore_idx: int = -100
     chunk_size: int | None = Field(None, gt=0)
     compile_epilogue: bool | None = None
@@ -233,6 +242,11 @@ class BaseRLLossConfig(BaseModel):
             )
         if self.kl_bias_correction is not None and not self.use_kl_loss:
             raise ValueError(f"kl_bias_correction={self.kl_bias_correction!r} needs use_kl_loss=True")
+        if self.count_empty_sequences and self.agg_mode == "token-mean":
+            raise ValueError(
+                "count_empty_sequences=True counts sequences in the denominator of the seq-mean-* modes; "
+                "loss_agg_mode='token-mean' has none (set a seq-mean-* loss_agg_mode, or leave it False)"
+            )
         if self.agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
             raise ValueError(
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor (e.g. the max completion length)"

@@ -590,8 +590,10 @@ class GRPOLossContext(BaseRLLossContext):
         counts = list(torch.split(flat_counts, [len(c) for c in counts]))
 
         local_tokens = sum(float(ctx.mask.sum()) for ctx in contexts)
-        # Sequences live on every rank of their SP group: count them once, on its first rank.
-        local_sequences = float((flat_counts > 0).sum()) if sp_rank(sp_mesh) == 0 else 0.0
+        # Sequences live on every rank of their SP group: count them once, on its first rank. `flat_counts` has one
+        # entry per sequence (SP padding, seq_id -1, is none), already summed over the SP shards.
+        step_sequences = len(flat_counts) if cfg.count_empty_sequences else int((flat_counts > 0).sum())
+        local_sequences = float(step_sequences) if sp_rank(sp_mesh) == 0 else 0.0
         totals = torch.tensor([local_tokens, local_sequences], dtype=torch.float64, device=contexts[0].mask.device)
         all_reduce(totals, group=process_group)
         global_tokens, global_sequences = totals.tolist()

@@ -71,6 +71,7 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
     | `loss_type="grpo"` | `vanilla`, `seq-mean-token-mean` |
     | `loss_type="dr_grpo"` | `vanilla`, `seq-mean-token-sum-norm`, `loss_scale_factor=max_completion_length` |
     | `loss_type="luspo"` | `vanilla`, `seq-mean-token-sum` |
+    | `loss_type="grpo"`/`"dr_grpo"`/`"luspo"`/`"sapo"` | `count_empty_sequences=True` (TRL counts every row) |
     | `loss_type="cispo"` | `cispo`, `token-mean`, `cliprange_low=1` (no floor), `cliprange_high = epsilon_high − 1`
     (TRL's cap is absolute; a cap < 1 is accepted with a warning) |
     | `loss_type="sapo"` | `sapo` with `tau_pos/neg = sapo_temperature_pos/neg`, `seq-mean-token-mean` |
@@ -138,6 +139,9 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
     if agg_mode == "seq-mean-token-sum-norm":
         rl_loss["loss_scale_factor"] = float(args.max_completion_length)
         source["loss_scale_factor"] = "max_completion_length"
+    if agg_mode != "token-mean":  # TRL's sequence-mean losses count every row, masked (empty) ones included
+        rl_loss["count_empty_sequences"] = True
+        source["count_empty_sequences"] = "loss_type"
     if args.off_policy_mask_threshold is not None:
         rl_loss["off_policy_mask_threshold"] = args.off_policy_mask_threshold
         source["off_policy_mask_threshold"] = "off_policy_mask_threshold"

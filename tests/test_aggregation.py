@@ -36,6 +36,46 @@ def test_closed_form(mode):
     assert finalize_train_policy_metrics(metrics)["train_policy/valid_tokens"] == 5
 
 
+# With count_empty_sequences the empty third sequence counts in S (3 instead of 2), as TRL's grpo/dr_grpo count rows.
+EMPTY_COUNTED = {
+    "seq-mean-token-mean": ((1 + 2) / 2 + (-1 - 2 - 3) / 3) / 3,
+    "seq-mean-token-sum": (3 - 6) / 3,
+    "seq-mean-token-sum-norm": (3 - 6) / 3 / 4,
+}
+
+
+@pytest.mark.parametrize("mode", list(EMPTY_COUNTED))
+@pytest.mark.parametrize("count_empty", [False, True])
+def test_closed_form_counting_empty_sequences(mode, count_empty):
+    cfg = GRPOLossConfig(
+        policy_loss_cfg={"loss_type": "gpg"},
+        loss_agg_mode=mode,
+        loss_scale_factor=4,
+        count_empty_sequences=count_empty,
+    )
+    lp = LOGPROBS.clone().requires_grad_(True)
+    ctx = cfg.build({"shifted_labels": LABELS, "advantages": ADVANTAGES})
+    GRPOLossContext.build_batches([ctx])
+    sequences = 3 if count_empty else 2
+    # the weights in closed form: m / (n_i·S), m / S, m / (S·C)
+    per_token = {
+        "seq-mean-token-mean": torch.tensor([[1 / 2, 1 / 2, 0], [1 / 3, 1 / 3, 1 / 3], [0, 0, 0]]),
+        "seq-mean-token-sum": torch.tensor([[1.0, 1, 0], [1, 1, 1], [0, 0, 0]]),
+        "seq-mean-token-sum-norm": torch.tensor([[1.0, 1, 0], [1, 1, 1], [0, 0, 0]]) / 4,
+    }[mode] / sequences
+    torch.testing.assert_close(ctx.loss_kwargs.policy_loss_weight, per_token)
+    loss, _ = ctx(logprobs=lp)
+    assert loss.item() == pytest.approx(EMPTY_COUNTED[mode] if count_empty else CLOSED_FORM[mode])
+    (grad,) = torch.autograd.grad(loss, lp)  # GPG: ∂ℓ/∂logπ = −A, times the weight
+    torch.testing.assert_close(grad, -ADVANTAGES.double()[:, None] * per_token.double())
+
+
+def test_count_empty_sequences_needs_a_sequence_mode():
+    with pytest.raises(ValueError, match="count_empty_sequences=True.*token-mean"):
+        GRPOLossConfig(loss_agg_mode="token-mean", count_empty_sequences=True)
+    assert GRPOLossConfig(loss_agg_mode="token-mean").count_empty_sequences is False  # the default: today's S
+
+
 def test_kl_uses_the_same_aggregation():
     cfg = GRPOLossConfig(
         policy_loss_cfg={"loss_type": "gpg"},
@@ -65,7 +105,11 @@ CASES = [
 ]
 
 
-def _config(loss_type, mode, kl):
+# ... and with count_empty_sequences (make_step has an empty sequence; split 8 ways it is a micro-batch of its own)
+EMPTY_COUNTED_CASES = [("vanilla", "seq-mean-token-mean", True), ("sapo", "seq-mean-token-sum-norm", False)]
+
+
+def _config(loss_type, mode, kl, count_empty=False):
     return GRPOLossConfig(
         policy_loss_cfg={"loss_type": loss_type, "cliprange_low": 0.1, "cliprange_high": 0.15},
         loss_agg_mode=mode,
@@ -73,6 +117,7 @@ def _config(loss_type, mode, kl):
         use_kl_loss=kl,
         kl_loss_type="k3",
         kl_loss_coef=0.1,
+        count_empty_sequences=count_empty,
     )
 
 
@@ -90,6 +135,22 @@ def test_micro_batch_invariance(loss_type, mode, kl, path):
         torch.testing.assert_close(grad_w, reference[2], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("loss_type,mode,kl", EMPTY_COUNTED_CASES)
+def test_micro_batch_invariance_counting_empty_sequences(loss_type, mode, kl):
+    step = make_step()
+    assert int((step["labels"] != IGNORE).any(-1).sum()) == 7  # one of the 8 sequences is empty
+    rows = list(range(8))
+    reference = run_step(_config(loss_type, mode, kl, count_empty=True), step, [rows], "hidden")
+    for parts in (2, 8):
+        loss, grad_h, grad_w, _ = run_step(_config(loss_type, mode, kl, True), step, split(rows, parts), "hidden")
+        torch.testing.assert_close(loss, reference[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_h, reference[1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_w, reference[2], atol=1e-6, rtol=0)
+    # S = 8 instead of 7: the policy gradient (and the KL's) is 7/8 of the one without the empty sequence counted
+    without = run_step(_config(loss_type, mode, kl), step, [rows], "hidden")
+    torch.testing.assert_close(reference[2], without[2] * 7 / 8, atol=1e-9, rtol=1e-6)  # float32 weights
+
+
 def test_permuting_sequences_leaves_the_loss_unchanged():
     cfg = _config("gspo", None, True)
     step = make_step(seed=3)
@@ -100,13 +161,14 @@ def test_permuting_sequences_leaves_the_loss_unchanged():
 
 def _rank_split_worker(rank, world_size, out_dir):
     results = {}
-    for loss_type, mode, kl in CASES:
+    cases = [(*case, False) for case in CASES] + [(*case, True) for case in EMPTY_COUNTED_CASES]
+    for loss_type, mode, kl, count_empty in cases:
         for path in ("logprobs", "hidden"):
-            cfg = _config(loss_type, mode, kl)
+            cfg = _config(loss_type, mode, kl, count_empty)
             step = make_step()
             mine = list(range(8))[rank::world_size]  # interleaved rows: ranks hold unequal token counts
             loss, _, grad_w, metrics = run_step(cfg, step, split(mine, 2), path)
-            results[(loss_type, mode, kl, path)] = averaged_over_ranks(loss, grad_w, metrics)
+            results[(loss_type, mode, kl, count_empty, path)] = averaged_over_ranks(loss, grad_w, metrics)
     if rank == 0:
         torch.save(results, f"{out_dir}/results.pt")
 
@@ -115,5 +177,6 @@ def _rank_split_worker(rank, world_size, out_dir):
 def test_two_process_invariance(tmp_path):
     run_distributed(_rank_split_worker, 2, str(tmp_path), timeout=180)
     results = torch.load(tmp_path / "results.pt", weights_only=False)
-    for (loss_type, mode, kl, path), result in results.items():
-        assert_equals_one_process(result, _config(loss_type, mode, kl), make_step(), path)
+    assert len(results) == 2 * (len(CASES) + len(EMPTY_COUNTED_CASES))
+    for (loss_type, mode, kl, count_empty, path), result in results.items():
+        assert_equals_one_process(result, _config(loss_type, mode, kl, count_empty), make_step(), path)

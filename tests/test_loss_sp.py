@@ -14,11 +14,13 @@ CASES = [
     ("geo_mean", "seq-mean-token-sum", "geometric"),
     ("vespo", "token-mean", "token"),  # sequence sums of log-ratios and of folded IS weights, OPSM, KL × s_i
     ("cispo_seq", "seq-mean-token-mean", None),
+    ("sapo", "seq-mean-token-sum-norm", "sequence"),  # empty sequences counted once, whole ones rejected by IS too
 ]
 # TRL-mapped sequence terms (issue 12), per loss type: their per-sequence statistics are reduced over the SP group
 _EXTRA = {
     "vespo": {"off_policy_mask_threshold": 0.0, "kl_bias_correction": "sequence"},
     "cispo_seq": {"kl_bias_correction": "token"},
+    "sapo": {"count_empty_sequences": True, "loss_scale_factor": 6.0},
 }
 LENGTH = 7  # odd: not divisible by sp, so the last shard is padded
 

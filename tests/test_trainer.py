@@ -386,6 +386,7 @@ def test_trl_options_mapping(tmp_path, options, expected):
         assert (cfg.policy_loss_cfg.cliprange_low, cfg.policy_loss_cfg.cliprange_high) == (low, high)
     if agg == "seq-mean-token-sum-norm":
         assert cfg.loss_scale_factor == 32.0
+    assert cfg.count_empty_sequences == (agg != "token-mean")  # TRL's sequence-mean losses count every row
     mapped, _ = trl_options_to_rl_loss(args)
     assert RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, rl_loss=mapped).rl_loss_config == cfg
 
@@ -400,6 +401,10 @@ def test_trl_options_mapping(tmp_path, options, expected):
         ({"rl_loss": {"use_kl_loss": True, "kl_loss_type": "k3"}, "beta": 0.04}, r"rl_loss\.kl_loss_coef"),
         ({"rl_loss": {}, "epsilon_high": 0.28}, r"rl_loss\.policy_loss_cfg\.cliprange_high"),
         ({"rl_loss": {}, "loss_type": "grpo"}, r"loss_type='grpo' conflicts with rl_loss"),
+        (
+            {"rl_loss": {"loss_agg_mode": "seq-mean-token-mean"}, "loss_type": "grpo"},
+            r"rl_loss\.count_empty_sequences=False, while loss_type means count_empty_sequences=True",
+        ),
         ({"loss_type": "cispo", "epsilon_high": 0.0}, r"epsilon_high=0.0.*must be > 0"),
         ({"delta": 1.0}, r"delta=1.0 must be > 1"),
         ({"off_policy_mask_threshold": -0.1}, r"off_policy_mask_threshold"),

@@ -62,6 +62,29 @@ def test_sequence_normalized_loss_types(tok, tmp_path, loss_type):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# mask_truncated_completions: a truncated completion's mask is all zero, yet TRL's sequence-mean losses count its row
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "luspo", "sapo"])
+def test_mask_truncated_completions(tok, tmp_path, loss_type):
+    # No gradient clipping: clipping to norm 1 rescales the update and would hide a wrong sequence count S.
+    options = dict(loss_type=loss_type, mask_truncated_completions=True, max_grad_norm=0.0)
+    trainer, logs, diff = _parity(tok, tmp_path, **options)
+    assert diff < TOLERANCE, diff
+    assert trainer.rl_loss_config.count_empty_sequences  # the mapping counts the masked rows, as TRL
+    # FixedCompletions truncates some completions (no EOS at max_completion_length): TRL masks them out whole.
+    assert any(log.get("completions/clipped_ratio", 0.0) > 0.0 for log in logs)
+    # The same loss with the masked rows left out of S (today's layer default) is a different update.
+    rl_loss = {**trainer.rl_loss_config.to_dict(), "count_empty_sequences": False}
+    trl_options = {**BASE_ARGS, **COMMON, **options}
+    del trl_options["loss_type"]  # rl_loss is set: TRL's loss options stay at their defaults
+    _, _, off = train_fixed(tok, RLLossGRPOConfig(output_dir=str(tmp_path / "off"), rl_loss=rl_loss, **trl_options))
+    ours = {name: p.detach() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    off_diff = max((ours[k] - off[k]).abs().max().item() for k in off)
+    assert off_diff > 1e-4, off_diff  # so |TRL − off| > 1e-4 − 1e-6: without the field there is no parity
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Item 3: off-policy sequence mask, the two-sided delta clip, VESPO
 
 
