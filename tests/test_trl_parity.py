@@ -30,7 +30,11 @@ from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
 torch.set_num_threads(1)
 
 TOLERANCE = 1e-6
-COMMON = dict(max_steps=3, gradient_accumulation_steps=2, num_iterations=2, optim="sgd", learning_rate=0.05)
+# No gradient clipping: a clipped update keeps only the gradient's direction, which hides a wrong overall scale (e.g.
+# a denominator off by 8/7 passed at 7e-9 with max_grad_norm=1).
+COMMON = dict(
+    max_steps=3, gradient_accumulation_steps=2, num_iterations=2, optim="sgd", learning_rate=0.05, max_grad_norm=0.0
+)
 
 
 @pytest.fixture(scope="module")
