@@ -9,9 +9,10 @@ the median over repeats. The "GEMM floor" is the measured time of the three `tok
     python benchmarks/loss_step.py --dtype bf16          # the same in bfloat16 (hidden states and head weight)
     python benchmarks/loss_step.py --tokens 1024 4096 8192 --vocab 151936 --repeats 5
 
-`hf_rlloss` runs with the default epilogue (compiled for half precision, eager for float32); `hf_rlloss_eager` and
-`hf_rlloss_compiled` force one or the other (`compile_epilogue`). In bf16 the naive method computes bf16 logits and
-a float32 log-softmax (what a bf16 model's `logits.float()` does), and the floor is the three GEMMs in bf16.
+`hf_rlloss` runs with the default epilogue (compiled for half precision, and for float32 from a 100k vocabulary);
+`hf_rlloss_eager` and `hf_rlloss_compiled` force one or the other (`compile_epilogue`). In bf16 the naive method
+computes bf16 logits and a float32 log-softmax (what a bf16 model's `logits.float()` does), and the floor is the
+three GEMMs in bf16.
 """
 
 from __future__ import annotations

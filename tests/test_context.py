@@ -434,6 +434,14 @@ def test_compiled_epilogue_equals_the_eager_one(dtype):
         torch.testing.assert_close(a.double(), b.double(), atol=tol * float(a.abs().max()), rtol=0)
 
 
+def test_compiled_epilogue_default_by_dtype_and_vocabulary():
+    use = sys.modules["hf_rlloss.chunked_logprobs"]._use_compiled
+    assert use(None, torch.bfloat16, 1000) and use(None, torch.float16, 49152)  # half: always
+    assert use(None, torch.float32, 151936) and not use(None, torch.float32, 49152)  # float32: from 100k
+    assert not use(None, torch.float64, 151936)  # float64 references stay eager
+    assert not use(False, torch.bfloat16, 151936) and use(True, torch.float32, 100)  # an explicit choice wins
+
+
 def test_compile_failure_falls_back_to_the_eager_epilogue(monkeypatch):
     kernel = sys.modules["hf_rlloss.chunked_logprobs"]
 
