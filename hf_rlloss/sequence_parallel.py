@@ -8,6 +8,7 @@ with ``1.0``, log-probs and advantages with ``0.0``.
 
 from __future__ import annotations
 
+import atexit
 import math
 
 import torch
@@ -105,7 +106,21 @@ def build_sp_mesh(group_size: int, device_type: str = "cpu") -> DeviceMesh | Non
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (world // group_size, group_size), mesh_dim_names=("dp", "sp"))
+    atexit.unregister(destroy_process_groups)  # once, however many meshes are built
+    atexit.register(destroy_process_groups)
     return mesh["sp"]
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group (the mesh's SP/DP groups with the default one) if any is still alive.
+
+    Registered with `atexit` by `build_sp_mesh`: a rank that leaves the interpreter with live gloo subgroups can abort
+    in their destructors ("terminate called without an active exception", SIGABRT) after training has finished,
+    which fails the whole launch. CI hit it twice on a rank done before the other (a 2-process SP recipe run, and a
+    test script). No barrier: at exit a rank must not wait for peers that may have crashed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def sp_shard_inputs(

@@ -143,6 +143,9 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     if trainer.accelerator.is_main_process:
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
+    # Stage 7: end cleanly: trackers finished, every process group destroyed (Accelerate's end of script)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def parse_args(argv: list[str] | None = None):

@@ -20,7 +20,8 @@ def _entry(rank, world_size, init_file, fn, args):
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a test may have destroyed it itself
+            dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:

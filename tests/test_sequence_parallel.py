@@ -39,3 +39,30 @@ def test_split_then_gather_is_identity_after_trimming(tmp_path):
     assert shard0.tolist() == [[0, 1, 2, 3]] and shard1.tolist() == [[4, 5, 6, -100]]
     assert gathered[:, :7].tolist() == [list(range(7))] and gathered[0, 7] == -100
     assert w0.shape == (2, 3) and w1[:, -1].tolist() == [1.0, 1.0] and w1[:, :2].eq(0.5).all()
+
+
+def _exit_hook_worker(rank, world_size):
+    import atexit
+
+    import torch.distributed as dist
+
+    from hf_rlloss.sequence_parallel import build_sp_mesh, destroy_process_groups
+
+    calls = []
+    real_register = atexit.register
+    atexit.register = lambda fn: calls.append(fn) or real_register(fn)
+    try:
+        build_sp_mesh(2)
+        build_sp_mesh(2)
+    finally:
+        atexit.register = real_register
+    assert calls == [destroy_process_groups, destroy_process_groups]  # re-registered, unregistered in between
+    destroy_process_groups()  # what runs at exit: every group gone, and a second call is harmless
+    assert not dist.is_initialized()
+    destroy_process_groups()
+
+
+def test_sp_mesh_destroys_its_process_groups_at_exit():
+    """A rank that leaves with live gloo subgroups can abort in their destructors: `build_sp_mesh` registers an exit
+    hook that destroys every group."""
+    run_distributed(_exit_hook_worker, 2, timeout=120)
