@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _launch import kill_tree
 
+from hf_rlloss.sequence_parallel import destroy_process_groups
+
 
 def _entry(rank, world_size, init_file, fn, args):
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -20,8 +22,7 @@ def _entry(rank, world_size, init_file, fn, args):
     try:
         fn(rank, world_size, *args)
     finally:
-        if dist.is_initialized():  # a test may have destroyed it itself
-            dist.destroy_process_group()
+        destroy_process_groups()  # unless the test already did
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:

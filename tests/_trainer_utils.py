@@ -218,8 +218,11 @@ def finish_distributed() -> None:
 
     A worker that leaves the interpreter with a live gloo group (e.g. a non-zero rank done while rank 0 still writes
     its results) can abort in the group's destructor ("terminate called without an active exception", SIGABRT), which
-    fails the launch although training finished. CI hit this once in `test_fsdp2`'s DDP run.
+    fails the launch although training finished. CI hit this once in `test_fsdp2`'s DDP run. The barrier first, so
+    that rank 0 has written its results; then the library's own exit clean-up.
     """
+    from hf_rlloss.sequence_parallel import destroy_process_groups
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    destroy_process_groups()
