@@ -145,7 +145,12 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         print(summary.summary(training_args.output_dir, curves), flush=True)
     # Stage 7: end cleanly: trackers finished, every process group destroyed (Accelerate's end of script)
     trainer.accelerator.wait_for_everyone()
+    several = trainer.accelerator.num_processes > 1
     trainer.accelerator.end_training()
+    if several:  # a finished rank could still abort in the interpreter's teardown (seen in CI): skip it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def parse_args(argv: list[str] | None = None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import zlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -226,3 +227,8 @@ def finish_distributed() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
     destroy_process_groups()
+    # Destroying the groups was not enough: CI still saw the abort once after this point, in the interpreter's
+    # teardown. The results are written and the groups gone, so leave without running that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
