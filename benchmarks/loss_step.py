@@ -1,8 +1,9 @@
 """Forward+backward of the GRPO loss from hidden states: hf_rlloss vs TRL 1.16's chunked kernel vs naive logits.
 
 Every measurement runs in a fresh subprocess (peak memory = RSS high-water mark minus the RSS once the inputs exist;
-on CUDA, `torch.cuda.max_memory_allocated`), methods interleaved A/B/C within each repeat, and the reported time is
-the median over repeats. The "GEMM floor" is the measured time of the three `tokens × hidden × vocab` matmuls
+on CUDA, `torch.cuda.max_memory_allocated`), methods interleaved A/B/C within each repeat. Each
+subprocess times `--steps` steps after one warm-up and reports their median; the reported time is the median of that
+over repeats. The "GEMM floor" is the measured time of the three `tokens × hidden × vocab` matmuls
 (logits, grad of hidden, grad of weight) that any exact method must do; `time / floor` says how close a method is.
 
     python benchmarks/loss_step.py                       # 4096 tokens × {49k, 152k} vocab, hidden 576, fp32
@@ -56,7 +57,7 @@ def _dapo_loss(logp, old, ref, adv, eps_low=0.2, eps_high=0.28, beta=0.001):
     return (per_token + beta * kl).sum() / logp.numel()
 
 
-def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0):
+def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0, steps=1):
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -120,21 +121,25 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0):
     h.grad = w.grad = None
     reset_peak_rss()
     baseline = rss_mb()
-    sync()
-    start = time.perf_counter()
-    step()
-    sync()
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        h.grad = w.grad = None
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = peak_rss_mb() - baseline
-    return {"seconds": seconds, "peak_mb": peak}
+    return {"seconds": seconds, "peak_mb": peak, "step_times": times}
 
 
-def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0):
+def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0, steps=1):
     cmd = [sys.executable, __file__, "--_one", method, str(tokens), str(vocab), str(hidden), device, dtype]
-    cmd += [str(chunk_size)]
+    cmd += [str(chunk_size), str(steps)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -148,17 +153,21 @@ def main():
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (or a torch dtype name)")
     parser.add_argument("--chunk-size", type=int, default=0, help="hf_rlloss tokens per chunk (0: its default)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh subprocesses per method, interleaved")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per subprocess after one warm-up; their median is its time"
+    )
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument(
         "--skip-naive-above", type=float, default=16.0, help="GiB of logits above which naive is skipped"
     )
     parser.add_argument("--out", default="benchmarks/results/loss_step.json")
-    parser.add_argument("--_one", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--_one", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._one:
-        method, tokens, vocab, hidden, device, dtype, chunk = args._one
-        print(json.dumps(_run_once(method, int(tokens), int(vocab), int(hidden), device, dtype, int(chunk))))
+        method, tokens, vocab, hidden, device, dtype, chunk, steps = args._one
+        result = _run_once(method, int(tokens), int(vocab), int(hidden), device, dtype, int(chunk), int(steps))
+        print(json.dumps(result))
         return
     args.dtype = DTYPES.get(args.dtype, args.dtype)
 
@@ -174,12 +183,16 @@ def main():
             for _ in range(args.repeats):
                 for m in methods:  # interleaved: machine noise hits every method alike
                     samples[m].append(
-                        _measure(m, tokens, vocab, args.hidden, args.device, args.dtype, args.chunk_size)
+                        _measure(m, tokens, vocab, args.hidden, args.device, args.dtype, args.chunk_size, args.steps)
                     )
             row = {"tokens": tokens, "vocab": vocab, "hidden": args.hidden, "dtype": args.dtype}
             for m, runs in samples.items():
                 row[f"{m}_s"] = statistics.median(r["seconds"] for r in runs)
                 row[f"{m}_peak_mb"] = statistics.median(r["peak_mb"] for r in runs)
+                row[f"{m}_runs_s"] = [round(r["seconds"], 3) for r in runs]
+            if "hf_rlloss" in samples and "gemm_floor" in samples:  # per repeat: the spread of the ratio itself
+                pairs = zip(samples["hf_rlloss"], samples["gemm_floor"])
+                row["floor_ratio_per_repeat"] = [round(a["seconds"] / b["seconds"], 3) for a, b in pairs]
             rows.append(row)
             _print_row(row)
     meta = {
@@ -189,6 +202,7 @@ def main():
         "dtype": args.dtype,
         "date": time.strftime("%Y-%m-%d"),
         "repeats": args.repeats,
+        "steps_per_repeat": args.steps,
         "chunk_size": args.chunk_size or "default",
         "load_average_at_end": os.getloadavg(),
     }
@@ -217,7 +231,7 @@ def _print_row(row):
     if ours and t.get("naive_s"):
         parts.append(f"vs naive {t['naive_s'] / ours:.2f}x")
     if ours and floor:
-        parts.append(f"time/GEMM floor {ours / floor:.2f}")
+        parts.append(f"time/GEMM floor {ours / floor:.2f} (per repeat {t.get('floor_ratio_per_repeat')})")
     for m in EXTRA_METHODS:
         if floor and t.get(f"{m}_s"):
             parts.append(f"{m}/floor {t[f'{m}_s'] / floor:.2f}")

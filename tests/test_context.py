@@ -434,6 +434,26 @@ def test_compiled_epilogue_equals_the_eager_one(dtype):
         torch.testing.assert_close(a.double(), b.double(), atol=tol * float(a.abs().max()), rtol=0)
 
 
+@pytest.mark.slow
+def test_compiled_epilogue_is_dynamic_in_rows_and_specialized_to_the_vocabulary(monkeypatch):
+    # Inductor picks a kernel's vector width and parallelism from the sizes it first compiles for: a kernel compiled
+    # dynamic in the vocabulary from a tiny test problem ran 5x slower at 49k. The rows must stay dynamic (the last,
+    # shorter chunk must not recompile), the vocabulary of the first compile static.
+    kernel = sys.modules["hf_rlloss.chunked_logprobs"]
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernel, "_compiled", {})
+    counters.clear()
+    block = torch.randn(64, 96).bfloat16()
+    for rows in (64, 40, 17):
+        stats, _ = kernel._run_epilogue("stats", True, block[:rows].clone(), 0.5, True)
+        torch.testing.assert_close(stats, torch.logsumexp(block[:rows].float() * 0.5, -1), atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+    kernel._run_epilogue("stats", True, torch.randn(16, 80).bfloat16(), 0.5, True)
+    assert counters["stats"]["unique_graphs"] == 2  # a new vocabulary compiled anew: the first one was specialized
+    assert kernel._compile_failed is None
+
+
 def test_compiled_epilogue_default_by_dtype_and_vocabulary():
     use = sys.modules["hf_rlloss.chunked_logprobs"]._use_compiled
     assert use(None, torch.bfloat16, 1000) and use(None, torch.float16, 49152)  # half: always
