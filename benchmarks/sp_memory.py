@@ -44,13 +44,13 @@ def worker(cli) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hf_rlloss import GRPOLossConfig, GRPOLossContext
-    from hf_rlloss.sequence_parallel import (
+    from hf_rlloss.parallel import (
         build_sp_mesh,
         register_ulysses_attention,
         sp_shard_inputs,
         ulysses_sequence_parallel,
     )
-    from hf_rlloss.sp_batch import pack_rows
+    from hf_rlloss.trainer.sp_batch import pack_rows
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -1,27 +1,49 @@
-"""hf_rlloss: a configurable RL loss layer (config → kwargs → context) for TRL and Accelerate."""
+"""hf_rlloss: a configurable RL loss layer (config → kwargs → context) for TRL and Accelerate.
 
-from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs, chunked_objective
-from .config import BaseRLLossConfig, GRPOLossConfig, PolicyLossConfig
-from .context import BaseRLLossContext, BaseRLLossKwargs, GRPOLossContext, train_policy_metrics
-from .kl import KL_TYPES, compute_kl_loss_weight, kl_penalty
-from .metrics import Reduction, accumulate_metrics, finalize_train_policy_metrics, reduce_metrics, register_metric
-from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, register_policy_loss, registered_policy_losses
-from .rollout_is import RolloutImportanceSampling, compute_rollout_is, finalize_rollout_is_metrics
-from .sequence_parallel import sp_gather, sp_split
+Three layers, each importing only the ones below it: `hf_rlloss.parallel` (collectives, the SP mesh, split/gather,
+Ulysses attention) ← `hf_rlloss.loss` (config, context and the loss terms; no TRL) ← `hf_rlloss.trainer` (the TRL
+subclass). `hf_rlloss.recipe_support` serves the recipes. The public names are importable from here.
+"""
+
+from .loss import (
+    AGG_MODES,
+    KL_TYPES,
+    BaseRLLossConfig,
+    BaseRLLossContext,
+    BaseRLLossKwargs,
+    GRPOLossConfig,
+    GRPOLossContext,
+    PolicyLossConfig,
+    PolicyLossSpec,
+    Reduction,
+    RolloutImportanceSampling,
+    accumulate_metrics,
+    chunked_kept_logmass,
+    chunked_logprobs,
+    chunked_objective,
+    compute_kl_loss_weight,
+    compute_rollout_is,
+    finalize_rollout_is_metrics,
+    finalize_train_policy_metrics,
+    get_policy_loss,
+    kl_penalty,
+    reduce_metrics,
+    register_metric,
+    register_policy_loss,
+    registered_policy_losses,
+    train_policy_metrics,
+)
+from .parallel import sp_gather, sp_split
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # The trainer pulls in trl and transformers: import it on first use, so the loss layer stays light.
-    if name == "RLLossGRPOTrainer":
-        from .trainer import RLLossGRPOTrainer
+    if name in ("RLLossGRPOTrainer", "RLLossGRPOConfig"):
+        from . import trainer
 
-        return RLLossGRPOTrainer
-    if name == "RLLossGRPOConfig":
-        from .trainer_config import RLLossGRPOConfig
-
-        return RLLossGRPOConfig
+        return getattr(trainer, name)
     raise AttributeError(f"module 'hf_rlloss' has no attribute {name!r}")
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _launch import kill_tree
 
-from hf_rlloss.sequence_parallel import destroy_process_groups
+from hf_rlloss.parallel.sequence import destroy_process_groups
 
 
 def _entry(rank, world_size, init_file, fn, args):

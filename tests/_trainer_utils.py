@@ -222,7 +222,7 @@ def finish_distributed() -> None:
     fails the launch although training finished. CI hit this once in `test_fsdp2`'s DDP run. The barrier first, so
     that rank 0 has written its results; then the library's own exit clean-up.
     """
-    from hf_rlloss.sequence_parallel import destroy_process_groups
+    from hf_rlloss.parallel.sequence import destroy_process_groups
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -355,7 +355,7 @@ def test_config_round_trips_through_yaml():
 
 
 def test_default_chunk_size_keeps_the_block_near_128_mb():
-    from hf_rlloss.chunked_logprobs import default_chunk_size
+    from hf_rlloss.loss.chunked_logprobs import default_chunk_size
 
     assert [default_chunk_size(v) for v in (49152, 151936, 32000, 64, 10**7)] == [512, 256, 1024, 2048, 64]
     assert [default_chunk_size(v, torch.bfloat16) for v in (49152, 151936)] == [1024, 512]  # half the bytes
@@ -403,7 +403,7 @@ def _run_chunked(h, w, labels, objective, **kwargs):
 @pytest.mark.parametrize("case", list(_HALF_CASES))
 def test_half_path_matches_float64(case):
     """bf16/fp16 GEMMs: float32 statistics and outputs, gradients in the inputs' dtypes, errors against float64 on
-    the same inputs within the tolerances stated in `hf_rlloss.chunked_logprobs`."""
+    the same inputs within the tolerances stated in `hf_rlloss.loss.chunked_logprobs`."""
     dtype, matmul_dtype, lp_rel, grad_tol = _HALF_CASES[case]
     h, w, labels, objective = _half_problem()
     h, w = h.to(dtype), w.to(dtype)
@@ -439,7 +439,7 @@ def test_compiled_epilogue_is_dynamic_in_rows_and_specialized_to_the_vocabulary(
     # Inductor picks a kernel's vector width and parallelism from the sizes it first compiles for: a kernel compiled
     # dynamic in the vocabulary from a tiny test problem ran 5x slower at 49k. The rows must stay dynamic (the last,
     # shorter chunk must not recompile), the vocabulary of the first compile static.
-    kernel = sys.modules["hf_rlloss.chunked_logprobs"]
+    kernel = sys.modules["hf_rlloss.loss.chunked_logprobs"]
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     monkeypatch.setattr(kernel, "_compiled", {})
@@ -455,7 +455,7 @@ def test_compiled_epilogue_is_dynamic_in_rows_and_specialized_to_the_vocabulary(
 
 
 def test_compiled_epilogue_default_by_dtype_and_vocabulary():
-    use = sys.modules["hf_rlloss.chunked_logprobs"]._use_compiled
+    use = sys.modules["hf_rlloss.loss.chunked_logprobs"]._use_compiled
     assert use(None, torch.bfloat16, 1000) and use(None, torch.float16, 49152)  # half: always
     assert use(None, torch.float32, 151936) and not use(None, torch.float32, 49152)  # float32: from 100k
     assert not use(None, torch.float64, 151936)  # float64 references stay eager
@@ -463,7 +463,7 @@ def test_compiled_epilogue_default_by_dtype_and_vocabulary():
 
 
 def test_compile_failure_falls_back_to_the_eager_epilogue(monkeypatch):
-    kernel = sys.modules["hf_rlloss.chunked_logprobs"]
+    kernel = sys.modules["hf_rlloss.loss.chunked_logprobs"]
 
     def broken_compile(fn, **kwargs):
         def run(*args):

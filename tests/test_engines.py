@@ -23,7 +23,7 @@ import _launch
 import pytest
 import torch
 
-from hf_rlloss.trainer_config import RLLossGRPOConfig, precision_mismatch_warning
+from hf_rlloss.trainer.grpo_config import RLLossGRPOConfig, precision_mismatch_warning
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "engine_matrix_script.py"
@@ -243,7 +243,7 @@ def test_zero3_partitioned_policy_without_zero3_config_is_rejected():
     built sharded, and the error names the alternative."""
     from _models import tiny_qwen2
 
-    from hf_rlloss.engines import zero3_sharded_copy
+    from hf_rlloss.trainer.engines import zero3_sharded_copy
 
     model = tiny_qwen2()
     for param in model.parameters():

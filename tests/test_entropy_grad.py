@@ -170,7 +170,7 @@ def test_top_entropy_quantile_closed_form(coef):
 def _quantile_worker(rank, world_size, out_dir):
     """Each rank holds one row of the micro-batch: the quantile is taken over both ranks' tokens (TRL's gather)."""
     from hf_rlloss import GRPOLossContext
-    from hf_rlloss.distributed import all_reduce
+    from hf_rlloss.parallel.collectives import all_reduce
 
     h, w, labels, advantages, cfg = _quantile_problem()
     ctx = cfg.build({"shifted_labels": labels[rank : rank + 1], "advantages": advantages[rank : rank + 1]})

@@ -101,20 +101,20 @@ def test_reduce_metrics_single_process_is_identity_on_declared_keys():
 
 
 def test_readme_metrics_table_is_the_one_made_from_the_specs():
-    from hf_rlloss.metrics import metrics_table
+    from hf_rlloss.loss.metrics import metrics_table
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf8").read()
     start, end = "<!-- metrics-table:start -->\n", "<!-- metrics-table:end -->"
     assert readme.count(start) == 1 and readme.count(end) == 1
     documented = readme.split(start)[1].split(end)[0]
-    assert documented == metrics_table(), "regenerate the README section with hf_rlloss.metrics.metrics_table()"
+    assert documented == metrics_table(), "regenerate the README section with hf_rlloss.loss.metrics.metrics_table()"
     for row in documented.splitlines()[2:]:
         assert row.count("|") == 4, f"a cell holds a pipe and breaks the table: {row}"
 
 
 def test_every_emitted_key_is_declared_and_every_logged_key_documented():
     from hf_rlloss import GRPOLossConfig, GRPOLossContext
-    from hf_rlloss.metrics import DERIVED, METRICS, metrics_table
+    from hf_rlloss.loss.metrics import DERIVED, METRICS, metrics_table
 
     torch.manual_seed(0)
     labels = torch.tensor([[1, 2, 3, -100], [2, 0, 1, 3]])
@@ -144,7 +144,7 @@ def test_every_emitted_key_is_declared_and_every_logged_key_documented():
 
 def test_a_context_without_tokens_emits_every_key_at_its_neutral_value():
     from hf_rlloss import GRPOLossConfig, GRPOLossContext
-    from hf_rlloss.metrics import METRICS
+    from hf_rlloss.loss.metrics import METRICS
 
     cfg = GRPOLossConfig(use_kl_loss=True, kl_loss_type="k1", off_policy_mask_threshold=0.5)
     data = {"shifted_labels": torch.full((1, 3), -100), "advantages": torch.ones(1), "ref_logprobs": torch.zeros(1, 3)}

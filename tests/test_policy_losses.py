@@ -161,7 +161,7 @@ def test_registry_extension_by_name_and_dotted_path():
         return -2 * advantages * logprobs, {}
 
     assert get_policy_loss("test_double_pg").fn is double_pg
-    spec = get_policy_loss("hf_rlloss.policy_losses.gpg_loss")
+    spec = get_policy_loss("hf_rlloss.loss.policy_losses.gpg_loss")
     assert spec.fn(torch.tensor([-1.0]), None, torch.tensor([3.0]), None)[0].item() == 3.0
-    cfg = PolicyLossConfig(loss_type="hf_rlloss.policy_losses.gpg_loss", my_extra_param=3)
+    cfg = PolicyLossConfig(loss_type="hf_rlloss.loss.policy_losses.gpg_loss", my_extra_param=3)
     assert cfg.my_extra_param == 3

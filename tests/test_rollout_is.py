@@ -17,8 +17,8 @@ import torch
 from _launch import free_port, kill_tree
 from pydantic import ValidationError
 
-from hf_rlloss.metrics import accumulate_metrics
-from hf_rlloss.rollout_is import RolloutImportanceSampling, compute_rollout_is, finalize_rollout_is_metrics
+from hf_rlloss.loss.metrics import accumulate_metrics
+from hf_rlloss.loss.rollout_is import RolloutImportanceSampling, compute_rollout_is, finalize_rollout_is_metrics
 
 NAN, INF = float("nan"), float("inf")
 
@@ -517,7 +517,7 @@ def _dist_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_rlloss.sequence_parallel import sp_gather, sp_split
+    from hf_rlloss.parallel.sequence import sp_gather, sp_split
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

@@ -168,7 +168,7 @@ def test_old_kept_logmass_renormalizes_pi_old_over_the_sampled_support():
 
 
 def test_ppl_ratio_is_training_ppl_over_rollout_ppl_in_code_and_docs():
-    import hf_rlloss.rollout_is as module
+    import hf_rlloss.loss.rollout_is as module
 
     ctx = _gpg_cfg().build(
         {"shifted_labels": LABELS, "advantages": torch.ones(1), "old_logprobs": OLD, "rollout_logprobs": ROLLOUT}

@@ -14,8 +14,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from hf_rlloss.chunked_logprobs import chunked_kept_logmass
-from hf_rlloss.rollout_recording import SampledTokenLogprobs
+from hf_rlloss.loss.chunked_logprobs import chunked_kept_logmass
+from hf_rlloss.trainer.rollout_recording import SampledTokenLogprobs
 
 TRUNCATIONS = {
     "none": [],

@@ -5,7 +5,7 @@ import torch
 from _dist import run_distributed
 
 from hf_rlloss import sp_gather, sp_split
-from hf_rlloss.sequence_parallel import pad_to_multiple
+from hf_rlloss.parallel.sequence import pad_to_multiple
 
 
 def test_identity_without_mesh():
@@ -46,7 +46,7 @@ def _exit_hook_worker(rank, world_size):
 
     import torch.distributed as dist
 
-    from hf_rlloss.sequence_parallel import build_sp_mesh, destroy_process_groups
+    from hf_rlloss.parallel.sequence import build_sp_mesh, destroy_process_groups
 
     calls = []
     real_register = atexit.register

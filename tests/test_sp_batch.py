@@ -5,8 +5,8 @@ import pytest
 import torch
 from _dist import run_distributed
 
-from hf_rlloss.sequence_parallel import build_sp_mesh, sp_split
-from hf_rlloss.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
+from hf_rlloss.parallel.sequence import build_sp_mesh, sp_split
+from hf_rlloss.trainer.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
 
 PAD, IGNORE = 0, -100
 

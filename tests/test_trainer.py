@@ -24,7 +24,7 @@ from _trainer_utils import (
 from trl import GRPOConfig
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer_config import CISPO_NO_LOWER_BOUND, trl_options_to_rl_loss
+from hf_rlloss.trainer.grpo_config import CISPO_NO_LOWER_BOUND, trl_options_to_rl_loss
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -539,7 +539,7 @@ BEAM_SAMPLE = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty":
 
 def test_beam_search_trains_without_rollout_logprobs(tok, tmp_path, monkeypatch):
     """No sampling distribution under beam search: nothing is recorded, the log says so once, training runs."""
-    import hf_rlloss.trainer as trainer_module
+    import hf_rlloss.trainer.grpo_trainer as trainer_module
 
     said = []
     monkeypatch.setattr(trainer_module.logger, "warning_once", lambda message: said.append(message))
@@ -599,7 +599,7 @@ def test_model_given_as_a_path_with_kl(tok, tmp_path):
 def test_head_gemm_dtype_follows_the_mixed_precision(tok, tmp_path, monkeypatch, bf16, cast_lm_head_to_fp32, expected):
     """Under bf16 autocast the head GEMMs of the loss and of the no-grad old/reference passes run in bf16 (float32
     weights, float32 gradients), unless cast_lm_head_to_fp32; float32 training stays float32."""
-    kernel = sys.modules["hf_rlloss.chunked_logprobs"]  # the module (the package exports a function of that name)
+    kernel = sys.modules["hf_rlloss.loss.chunked_logprobs"]  # the module (the package exports a function of that name)
     seen = []
     original = kernel._chunk_logits
 

@@ -5,7 +5,7 @@ import torch
 from _dist import run_distributed
 from _models import tiny_qwen2
 
-from hf_rlloss.sequence_parallel import (
+from hf_rlloss.parallel import (
     build_sp_mesh,
     register_ulysses_attention,
     sp_gather,

@@ -25,8 +25,8 @@ from transformers import (
 )
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_rlloss.multimodal import MULTIMODAL_FIELDS, SP_REFUSAL, multimodal_inputs
-from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer, SampledTokenLogprobs
+from hf_rlloss.trainer.grpo_trainer import RLLossGRPOConfig, RLLossGRPOTrainer, SampledTokenLogprobs
+from hf_rlloss.trainer.multimodal import MULTIMODAL_FIELDS, SP_REFUSAL, multimodal_inputs
 
 torch.set_num_threads(1)
 

@@ -20,14 +20,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..parallel.collectives import all_reduce, is_distributed, world_size
+from ..parallel.sequence import sp_group, sp_rank, sp_split, sp_world_size
 from .aggregation import aggregation_weights
 from .chunked_logprobs import chunked_logprobs, chunked_objective
-from .distributed import all_reduce, is_distributed, world_size
 from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, TOKEN_FIELDS
 from .kl import kl_penalty
 from .metrics import TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
 from .rollout_is import compute_rollout_is
-from .sequence_parallel import sp_group, sp_rank, sp_split, sp_world_size
 
 
 class BaseRLLossKwargs(BaseModel):

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 from trl import GRPOConfig
 
-from .config import BaseRLLossConfig, GRPOLossConfig
+from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 
 logger = logging.getLogger(__name__)
 

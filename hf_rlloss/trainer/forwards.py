@@ -20,11 +20,11 @@ from torch import nn
 from transformers import LogitsProcessorList
 from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 
-from .context import BaseRLLossContext
+from ..loss.context import BaseRLLossContext
+from ..parallel.ulysses import ulysses_sequence_parallel
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
-from .sequence_parallel import ulysses_sequence_parallel
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]

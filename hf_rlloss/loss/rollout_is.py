@@ -55,7 +55,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch.distributed.device_mesh import DeviceMesh
 
-from .distributed import all_reduce
+from ..parallel.collectives import all_reduce
+from ..parallel.sequence import on_first_sp_rank, sp_group, sp_world_size
 from .metrics import (
     IS_MASK_TOKENS,
     IS_NONFINITE_TOKENS,
@@ -65,7 +66,6 @@ from .metrics import (
     finalize_reduced,
     reduce_metrics,
 )
-from .sequence_parallel import on_first_sp_rank, sp_group, sp_world_size
 
 SAFETY_BOUND = 20.0
 """Every log ratio is clamped to ``[-SAFETY_BOUND, SAFETY_BOUND]`` before ``exp``."""

@@ -29,14 +29,20 @@ from trl.trainer.utils import (
     split_tensor_dict,
 )
 
-from .config import BaseRLLossConfig
-from .context import BaseRLLossContext
+from ..loss.config import BaseRLLossConfig
+from ..loss.context import BaseRLLossContext
+from ..loss.fields import FROM_TRL
+from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..parallel.sequence import build_sp_mesh
+from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
+from ..recipe_support.hub import complete_model_card
 from .engines import (
     activation_checkpointing_disabled,
     prepare_reference,
     reference_source,
 )
-from .fields import FROM_TRL
+from .forwards import LossLayerForwards, prompt_and_completion
+from .grpo_config import RLLossGRPOConfig
 from .lm_head import (
     causal_lm,
     check_model_supported,
@@ -44,9 +50,7 @@ from .lm_head import (
     logit_scale,
     with_model_softcapping,
 )
-from .metrics import accumulate_metrics, finalize_train_policy_metrics
 from .multimodal import SP_REFUSAL, multimodal_inputs
-from .recipe_support.hub import complete_model_card
 from .rollout_recording import (
     REPLAYED_SETTINGS,
     SampledTokenLogprobs,
@@ -54,14 +58,7 @@ from .rollout_recording import (
     recording_logprobs,
     truncation_replay,
 )
-from .sequence_parallel import (
-    build_sp_mesh,
-    ulysses_sequence_parallel,
-    use_ulysses_attention,
-)
 from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
-from .trainer_config import RLLossGRPOConfig
-from .trainer_forwards import LossLayerForwards, prompt_and_completion
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 

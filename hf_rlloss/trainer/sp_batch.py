@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .fields import pad_value
-from .sequence_parallel import sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
+from ..loss.fields import pad_value
+from ..parallel.sequence import sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
 
 __all__ = ["PackedRows", "SPMicroBatch", "pack_rows", "pool_fill_value", "pool_over_group", "shared_permutation"]
 

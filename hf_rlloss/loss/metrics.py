@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import all_reduce
+from ..parallel.collectives import all_reduce
 
 
 class Reduction(str, Enum):

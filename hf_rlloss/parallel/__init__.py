@@ -1,0 +1,56 @@
+"""The parallelism layer: process groups, the `(dp, sp)` mesh, sequence-parallel split/gather, Ulysses attention.
+
+The lowest of the three layers (parallel ← loss ← trainer): it imports neither the loss layer nor TRL, only torch
+and, for the attention registration, transformers' `AttentionInterface`. The SP micro-batches of the trainer
+(`hf_rlloss.trainer.sp_batch`) are not here although they are about sequence parallelism: they pad each loss field
+with its own value, which the loss layer's field table (`hf_rlloss.loss.fields`) defines, so they sit above it.
+
+- `collectives`: `torch.distributed` wrappers that are no-ops in one process.
+- `sequence`: the SP mesh and its groups, and the split/gather of a sequence dimension over an SP group.
+- `ulysses`: the Ulysses attention registered with transformers, and the check that a model can use it.
+"""
+
+from .collectives import all_reduce, is_distributed, rank, world_size
+from .sequence import (
+    build_sp_mesh,
+    destroy_process_groups,
+    on_first_sp_rank,
+    pad_to_multiple,
+    sp_gather,
+    sp_group,
+    sp_rank,
+    sp_shard_inputs,
+    sp_split,
+    sp_world_size,
+)
+from .ulysses import (
+    SP_WRAPPABLE_ATTENTION,
+    ULYSSES_ATTENTION,
+    register_ulysses_attention,
+    ulysses_attention_forward,
+    ulysses_sequence_parallel,
+    use_ulysses_attention,
+)
+
+__all__ = [
+    "SP_WRAPPABLE_ATTENTION",
+    "ULYSSES_ATTENTION",
+    "all_reduce",
+    "build_sp_mesh",
+    "destroy_process_groups",
+    "is_distributed",
+    "on_first_sp_rank",
+    "pad_to_multiple",
+    "rank",
+    "register_ulysses_attention",
+    "sp_gather",
+    "sp_group",
+    "sp_rank",
+    "sp_shard_inputs",
+    "sp_split",
+    "sp_world_size",
+    "ulysses_attention_forward",
+    "ulysses_sequence_parallel",
+    "use_ulysses_attention",
+    "world_size",
+]

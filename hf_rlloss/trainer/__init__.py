@@ -1,0 +1,21 @@
+"""The trainer layer: TRL's `GRPOTrainer` with its loss delegated to the loss layer.
+
+- `grpo_config`: `RLLossGRPOConfig`, TRL's `GRPOConfig` plus the `rl_loss:` block and the options TRL lacks.
+- `grpo_trainer`: `RLLossGRPOTrainer`, TRL's override points, each labelled with the TRL method it replaces.
+- `forwards`: the training and no-grad forwards (hidden states, chunked head, log-probs).
+- `lm_head`: finding and calling the LM head under PEFT and engines.
+- `engines`: DeepSpeed/FSDP2 helpers (gathering the head, preparing the reference model).
+- `rollout_recording`: the log-probs of sampled tokens recorded during HF `generate`.
+- `multimodal`: TRL's vision-language inputs.
+- `sp_batch`: the sequence-parallel micro-batches (pooling, shared shuffle, packing). It is about sequence
+  parallelism, but it pads each loss field with the value the loss layer's field table gives, so it imports the
+  loss layer and lives above it.
+
+The layer imports TRL; it sits on the loss layer (`hf_rlloss.loss`) and the parallelism layer
+(`hf_rlloss.parallel`), and of the recipe support only the Hub card helper.
+"""
+
+from .grpo_config import RLLossGRPOConfig
+from .grpo_trainer import RLLossGRPOTrainer
+
+__all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
