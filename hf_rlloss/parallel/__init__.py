@@ -8,6 +8,8 @@ with its own value, which the loss layer's field table (`hf_rlloss.loss.fields`)
 - `collectives`: `torch.distributed` wrappers that are no-ops in one process.
 - `sequence`: the SP mesh and its groups, and the split/gather of a sequence dimension over an SP group.
 - `ulysses`: the Ulysses attention registered with transformers, and the check that a model can use it.
+- `tree_attention`: exact attention over a packed row of prefix-sharing sequences (TRL's `TreeRow` layout), SDPA
+  per segment, registered with transformers.
 """
 
 from .collectives import all_reduce, is_distributed, rank, world_size
@@ -23,6 +25,7 @@ from .sequence import (
     sp_split,
     sp_world_size,
 )
+from .tree_attention import TREE_SDPA_ATTENTION, register_tree_attention, tree_attention, tree_attention_forward
 from .ulysses import (
     SP_WRAPPABLE_ATTENTION,
     ULYSSES_ATTENTION,
@@ -34,6 +37,7 @@ from .ulysses import (
 
 __all__ = [
     "SP_WRAPPABLE_ATTENTION",
+    "TREE_SDPA_ATTENTION",
     "ULYSSES_ATTENTION",
     "all_reduce",
     "build_sp_mesh",
@@ -42,6 +46,7 @@ __all__ = [
     "on_first_sp_rank",
     "pad_to_multiple",
     "rank",
+    "register_tree_attention",
     "register_ulysses_attention",
     "sp_gather",
     "sp_group",
@@ -49,6 +54,8 @@ __all__ = [
     "sp_shard_inputs",
     "sp_split",
     "sp_world_size",
+    "tree_attention",
+    "tree_attention_forward",
     "ulysses_attention_forward",
     "ulysses_sequence_parallel",
     "use_ulysses_attention",
