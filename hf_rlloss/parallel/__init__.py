@@ -25,7 +25,7 @@ from .sequence import (
     sp_split,
     sp_world_size,
 )
-from .tree_attention import TREE_SDPA_ATTENTION, register_tree_attention, tree_attention, tree_attention_forward
+from .tree_attention import TREE_SDPA_ATTENTION, register_tree_attention, tree_attention_forward
 from .ulysses import (
     SP_WRAPPABLE_ATTENTION,
     ULYSSES_ATTENTION,
@@ -54,7 +54,6 @@ __all__ = [
     "sp_shard_inputs",
     "sp_split",
     "sp_world_size",
-    "tree_attention",
     "tree_attention_forward",
     "ulysses_attention_forward",
     "ulysses_sequence_parallel",
