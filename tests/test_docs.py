@@ -99,7 +99,7 @@ def test_readme_keeps_the_two_quickstart_commands():
     assert demo in blocks and tests in blocks
 
 
-@pytest.mark.parametrize("name", ["01_subclassing_the_trainer.ipynb", "02_the_loss_layer.ipynb"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
 def test_rendered_notebook_is_an_executed_copy_of_the_notebook(name):
     source = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     copy = nbformat.read(DOCS / "notebooks" / name, as_version=4)
