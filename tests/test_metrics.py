@@ -97,17 +97,17 @@ def test_reduce_metrics_single_process_is_identity_on_declared_keys():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# One spec per key: the README table, the neutral set and what the loss layer emits all come from `METRICS`
+# One spec per key: the docs' metrics table, the neutral set and what the loss layer emits all come from `METRICS`
 
 
-def test_readme_metrics_table_is_the_one_made_from_the_specs():
+def test_docs_metrics_table_is_the_one_made_from_the_specs():
     from hf_rlloss.loss.metrics import metrics_table
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf8").read()
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "rollout_is.md"), encoding="utf8").read()
     start, end = "<!-- metrics-table:start -->\n", "<!-- metrics-table:end -->"
-    assert readme.count(start) == 1 and readme.count(end) == 1
-    documented = readme.split(start)[1].split(end)[0]
-    assert documented == metrics_table(), "regenerate the README section with hf_rlloss.loss.metrics.metrics_table()"
+    assert page.count(start) == 1 and page.count(end) == 1
+    documented = page.split(start)[1].split(end)[0]
+    assert documented == metrics_table(), "regenerate the table in docs/rollout_is.md with metrics_table()"
     for row in documented.splitlines()[2:]:
         assert row.count("|") == 4, f"a cell holds a pipe and breaks the table: {row}"
 

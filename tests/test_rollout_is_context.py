@@ -180,7 +180,7 @@ def test_ppl_ratio_is_training_ppl_over_rollout_ppl_in_code_and_docs():
     ratio = final["mismatch/mismatch_training_ppl"] / final["mismatch/mismatch_rollout_ppl"]  # one sequence
     assert ratio == pytest.approx(math.exp(1.0) / math.exp(0.9))  # mean log π_old = −1, mean log μ = −0.9
     assert final["mismatch/mismatch_ppl_ratio"] == pytest.approx(ratio)
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf8").read()
-    row = next(line for line in readme.splitlines() if line.startswith("| `mismatch/mismatch_ppl_ratio`"))
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "rollout_is.md"), encoding="utf8").read()
+    row = next(line for line in page.splitlines() if line.startswith("| `mismatch/mismatch_ppl_ratio`"))
     for text in (row, next(line for line in module.__doc__.splitlines() if "mismatch_ppl_ratio" in line)):
         assert "training ppl / rollout ppl" in text and "rollout ppl / training ppl" not in text, text

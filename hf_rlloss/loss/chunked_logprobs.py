@@ -493,8 +493,8 @@ def chunked_kept_logmass(
     renormalized over the kept support is ``log π(y) − log K`` (``-inf`` if ``y`` was cut).
 
     Args:
-        hidden, weight, labels, temperature, chunk_size, softcap: see `chunked_logprobs` (the truncation sees the
-            softcapped logits divided by the temperature, as in generation).
+        hidden, weight, labels, temperature, chunk_size, softcap (as in `chunked_logprobs`): the truncation sees the
+            softcapped logits divided by the temperature, as in generation.
         truncation (`Callable`): `(input_ids or None, scores (n, V)) -> scores`; applied to blocks of 64 rows, so its
             temporaries (a sort for top-p) stay at `64 × V`.
 
@@ -641,7 +641,7 @@ def chunked_objective(
         objective (`Callable`): `(logprobs (n,), chunk slice, entropy (n,) or None) -> (scalar, metrics)`; it must be
             separable over tokens (a chunk's value may depend only on that chunk's log-probs). Metrics (detached
             0-dim tensors) are summed over chunks.
-        temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue, softcap: see `chunked_logprobs`. The
+        temperature, chunk_size, with_entropy, matmul_dtype, compile_epilogue, softcap (as in `chunked_logprobs`): the
             gradients come back in the dtypes of `hidden` and `weight`, whatever `matmul_dtype`.
         entropy_grad (`bool`, *optional*, defaults to `False`): the objective may depend on the entropies it is
             given (needs `with_entropy`): their gradient ``∂J/∂H`` is taken with the log-probs' and propagated through

@@ -3,7 +3,7 @@
 This is what the YAML's `rl_loss:` block fills: `RLLossGRPOConfig` (in `trainer_config.py`, the TRL `GRPOConfig`
 subclass that holds every other training option) validates that mapping into `GRPOLossConfig` (its
 `loss_config_class`) and keeps it as `args.rl_loss_config`. Used on its own, the loss layer needs only this module:
-`GRPOLossConfig(...).build(data)` gives the loss context of one micro-batch (`hf_rlloss.context`).
+`GRPOLossConfig(...).build(data)` gives the loss context of one micro-batch (`hf_rlloss.loss.context`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class BaseRLLossConfig(BaseModel):
         use_kl_loss (`bool`, *optional*, defaults to `False`): add a KL-to-reference penalty (needs `ref_logprobs`).
         kl_loss_coef (`float`, *optional*, defaults to `0.001`): its coefficient, ≥ 0.
         kl_loss_type (`str`, *optional*): the estimator, one of `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`,
-            `k1+`, `k3+` (see `hf_rlloss.kl`); required when `use_kl_loss=True`.
+            `k1+`, `k3+` (see `hf_rlloss.loss.kl`); required when `use_kl_loss=True`.
         kl_bias_correction (`str`, *optional*): multiply each token's KL estimate by the policy ratio `π_θ/π_old`,
             differentiable (TRL's `use_bias_correction_kl`, DeepSeek-V3.2): `"token"` uses the token's ratio,
             `"sequence"` the sequence's `exp(mean_t log r_t)` (TRL with `importance_sampling_level="sequence"`).
@@ -206,7 +206,7 @@ class BaseRLLossConfig(BaseModel):
             them in `train_policy/nonfinite_masked_tokens`.
         rollout_is (`RolloutImportanceSampling` or `dict`, *optional*, defaults to metrics only): rollout importance
             sampling, the correction of the mismatch between the rollout engine and the trained policy (see
-            `hf_rlloss.rollout_is`). Its metrics are computed whenever `rollout_logprobs` are given.
+            `hf_rlloss.loss.rollout_is`). Its metrics are computed whenever `rollout_logprobs` are given.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -280,7 +280,7 @@ class BaseRLLossConfig(BaseModel):
                 All are full-length (before any SP split). `old_kept_logmass` (log of the mass of π_old that the
                 sampling truncation keeps) makes rollout IS compare π_old renormalized over the sampled support with
                 `rollout_logprobs` (which must then be on that support); `rollout_kept_logmass` (the same under the
-                rollout engine) is only reported, as `mismatch/kept_mass_mean` (see `hf_rlloss.rollout_is`).
+                rollout engine) is only reported, as `mismatch/kept_mass_mean` (see `hf_rlloss.loss.rollout_is`).
             sp_mesh (`DeviceMesh`, *optional*): the sequence-parallel mesh; every per-token tensor is split over it.
             micro_batch (`int`, *optional*): the index of this micro-batch in the optimizer step, named by the
                 errors about its data (defaults to its position in the list given to `build_batches`).

@@ -326,7 +326,7 @@ class BaseRLLossContext:
             temperature (`float`, *optional*, defaults to `1.0`): logits are divided by it (the sampling temperature).
             matmul_dtype (`torch.dtype`, *optional*): dtype of the head GEMMs' operands (e.g. `torch.bfloat16` under
                 bf16 mixed precision with float32 weights); defaults to the common dtype of `hidden_states` and
-                `head_weight`. Gradients come back in their own dtypes (see `hf_rlloss.chunked_logprobs`).
+                `head_weight`. Gradients come back in their own dtypes (see `hf_rlloss.loss.chunked_logprobs`).
 
         Returns:
             `(loss, metrics)`: the scalar to call `backward()` on (already multiplied by the number of ranks that

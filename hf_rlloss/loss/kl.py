@@ -75,7 +75,7 @@ def compute_kl_loss_weight(
     """Token-mean KL weights: ``kl_loss_coef / global_grad_tokens`` at valid labels, 0 at ``ignore_idx``.
 
     XTuner's helper, kept as part of its API. The loss layer does not call it: `GRPOLossContext.build_batches` sets
-    every micro-batch's `kl_loss_weight` to ``aggregation_weights(...) × kl_loss_coef`` (`hf_rlloss.aggregation`),
+    every micro-batch's `kl_loss_weight` to ``aggregation_weights(...) × kl_loss_coef`` (`hf_rlloss.loss.aggregation`),
     the KL sharing the policy loss's aggregation. With ``loss_agg_mode="token-mean"`` that is ``m / N × coef``,
     exactly this function's weights (`tests/test_kl.py::test_compute_kl_loss_weight_is_the_layers_token_mean_weight`);
     in the sequence modes the layer's weights are ``m / (n_i·S)``, ``m / S`` or ``m / (S·C)`` times the coefficient

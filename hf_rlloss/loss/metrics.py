@@ -5,14 +5,14 @@ micro-batches and processes (SUM, MAX or MIN; nothing is inferred from substring
 (what a rank without data contributes), and what it is logged as (a mean over a count key, an extremum, or the sum
 itself) with its meaning. The few logged values that are not one accumulator over one count (standard deviations, the
 effective sample size) are `DerivedMetric`s. From these two tables come the neutral metrics every rank emits
-(`neutral_metrics`), the finalize step (`finalize_reduced`) and the documentation table of the README
-(`metrics_table`, kept equal to the README by `tests/test_metrics.py`).
+(`neutral_metrics`), the finalize step (`finalize_reduced`) and the documented metrics table
+(`metrics_table`, kept equal to the table in `docs/rollout_is.md` by `tests/test_metrics.py`).
 
 Per micro-batch (and per chunk) the context emits 0-dim tensors; :func:`accumulate_metrics` merges them over the
 micro-batches of an optimizer step on one rank, and :func:`finalize_train_policy_metrics` reduces them across ranks
 with one all-reduce per reduction kind and turns sums into means. A mean whose count is zero is ``0.0``, never NaN.
 
-Notation of the rollout-IS meanings (see `hf_rlloss.rollout_is`): ``δ_t = log π_old − log μ`` of a valid token with
+Notation of the rollout-IS meanings (`hf_rlloss.loss.rollout_is`): ``δ_t = log π_old − log μ`` of a valid token with
 finite log-probs, ``δ̂ = clamp(δ, ±20)``, ``ρ`` the level's weight before truncation and rejection,
 ``w = clamp(ρ, lower, upper)``, ``s_i = mean_{t∈i} ρ_t`` (``= ρ_i`` at the sequence and geometric levels),
 ``d_i = mean_{t∈i} log μ − mean_{t∈i} log π_old``; sequences are those with at least one valid finite token.
@@ -50,7 +50,7 @@ class MetricSpec:
     Args:
         key (`str`): the key emitted per micro-batch and accumulated over the step.
         reduction (`Reduction`): how values of the key are merged (micro-batches) and all-reduced (processes).
-        meaning (`str`): what the logged value is (documentation; the README table is made from it).
+        meaning (`str`): what the logged value is (documentation; the docs metrics table is made from it).
         logged_as (`str`, *optional*): the key it is logged as. Unset: an accumulator only (a count, or an input of
             a `DerivedMetric`).
         per (`str`, *optional*): a SUM key: the value is logged as ``scale · key / per + offset`` (``0.0`` when the
@@ -101,7 +101,7 @@ TRAIN_POLICY = "train_policy/"
 VALID_TOKENS = TRAIN_POLICY + "valid_tokens"
 ENTROPY_TOKENS = TRAIN_POLICY + "entropy_tokens"
 ENTROPY_KEPT_TOKENS = TRAIN_POLICY + "entropy_kept_tokens"
-# The accumulators of rollout IS (`hf_rlloss.rollout_is.compute_rollout_is` emits them).
+# The accumulators of rollout IS (`hf_rlloss.loss.rollout_is.compute_rollout_is` emits them).
 ROLLOUT_IS_ACC = "rollout_is_acc/"
 IS_MASK_TOKENS = ROLLOUT_IS_ACC + "mask_tokens"
 IS_VALID_TOKENS = ROLLOUT_IS_ACC + "valid_tokens"
@@ -430,7 +430,7 @@ def finalize_train_policy_metrics(
 
 
 def metrics_table() -> str:
-    """The Markdown table of every logged key: how it is computed over the step and what it is (the README's)."""
+    """The Markdown table of every logged key: how it is computed over the step and what it is (docs/rollout_is.md)."""
     rows = ["| key | computed over the step | meaning |", "|---|---|---|"]
     for spec in METRICS.values():
         if spec.logged_as is None:

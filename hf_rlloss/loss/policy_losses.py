@@ -3,7 +3,7 @@
 Every loss works on flat vectors of the *valid* tokens of a micro-batch (shape ``(N,)``) and returns
 ``(per_token_loss, indicators)``: the loss to minimise for each token, before any aggregation weight, and a dict of
 0/1 per-token tensors (clipping events) that the context turns into counts. Aggregation over tokens and sequences
-is not the loss's business: it is done by per-token weights (see :mod:`hf_rlloss.aggregation`).
+is not the loss's business: it is done by per-token weights (see :mod:`hf_rlloss.loss.aggregation`).
 
 Sequence-level losses (GSPO, GMPO) need a per-sequence mean of a per-token statistic before any token's loss can be
 computed. They declare that statistic (``sequence_statistic``); the context computes its mean over each sequence

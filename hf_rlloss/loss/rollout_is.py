@@ -27,7 +27,7 @@ rejected, counted in ``rollout_is/nonfinite_tokens``, and left out of every sum 
 Metrics. ``V`` is the set of valid finite tokens, ``S`` the set of sequences with at least one token in ``V``
 (padding rows and empty sequences are not sequences here). :func:`compute_rollout_is` emits sums, counts and extrema
 over them (the ``rollout_is_acc/*`` keys); every logged key, its formula and what it is a mean of are declared once,
-in `hf_rlloss.metrics.METRICS` (table: `hf_rlloss.metrics.metrics_table()`, the README's metrics table).
+in `hf_rlloss.loss.metrics.METRICS` (table: `hf_rlloss.loss.metrics.metrics_table()`, in docs/rollout_is.md).
 Token-weighted metrics average over ``V``, sequence-weighted ones over ``S``, both over every micro-batch and rank of
 the step; a metric whose count is 0 is ``0.0``. Metrics that need the bounds (``fraction_*``, ``seq_fraction_*``),
 the mask band (``masked_fraction``, ``seq_masked_fraction``) or the veto (``veto_fraction``,
@@ -201,7 +201,7 @@ class RolloutImportanceSampling(BaseModel):
 
 # ----------------------------------------------------------------------------------------------------------------
 # compute_rollout_is, in stages: inputs checked → tokens of V → per-sequence sums → ratios and keep → weights →
-# metrics. The metric keys and how they are finalized are declared in `hf_rlloss.metrics`.
+# metrics. The metric keys and how they are finalized are declared in `hf_rlloss.loss.metrics`.
 
 # Per-sequence columns summed with one index_add_ (and one all-reduce over the SP group), by name.
 _SEQ_COLUMNS = ("tokens", "mask_tokens", "delta", "old", "rollout", "rho", "catastrophic", "outside_band")
@@ -513,7 +513,7 @@ def finalize_rollout_is_metrics(
         group (`ProcessGroup`, *optional*): every rank of the step (data × sequence parallel); defaults to the world.
 
     Returns:
-        `dict[str, float]`: the `mismatch/*` and `rollout_is/*` metrics (see `hf_rlloss.metrics.metrics_table`),
+        `dict[str, float]`: the `mismatch/*` and `rollout_is/*` metrics (see `hf_rlloss.loss.metrics.metrics_table`),
         finite; `{}` when `accumulated` holds no rollout-IS key.
     """
     values = {k: v for k, v in accumulated.items() if k.startswith(ROLLOUT_IS_ACC)}

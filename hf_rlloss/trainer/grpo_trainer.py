@@ -231,7 +231,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
             )
         self.beta = 0.0  # TRL's KL stays off; see rl_loss_config.use_kl_loss
 
-        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/multimodal.py
+        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/trainer/multimodal.py
             raise ValueError(SP_REFUSAL)
         self._setup_loss_layer(args, reference)
 

