@@ -1,7 +1,7 @@
 """Launched by tests/test_crash_resume.py: a tiny GRPO run, a checkpoint every step, resumed automatically from the
 newest complete checkpoint of its output folder, optionally killed (SIGKILL) at a chosen moment.
 
-    python tests/crash_resume_script.py OUT [--kill-step N --kill-rank R]        (or under torchrun)
+    python tests/crash_resume_script.py OUT [--kill-step N --kill-rank R] [--cpu-fsdp]   (or accelerate launch)
 
 Completions are sampled by `generate` from the model itself, so the run depends on every rank's RNG state: a resume
 that restored the wrong state (or none) would diverge. `--kill-step N` kills rank R during optimizer step N, after
@@ -168,7 +168,12 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--kill-step", type=int)
     parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--cpu-fsdp", action="store_true", help="install the test-only CPU FSDP2 shim")
     cli = parser.parse_args()
+    if cli.cpu_fsdp:
+        from _cpu_fsdp import enable_cpu_fsdp
+
+        enable_cpu_fsdp()
     train_run(cli.out, cli.kill_step, cli.kill_rank)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         finish_distributed()

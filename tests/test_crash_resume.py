@@ -5,6 +5,7 @@ import json
 import logging
 import os
 
+import _launch
 import crash_resume_script
 import pytest
 import torch
@@ -153,7 +154,7 @@ def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_unin
     assert (out / "checkpoint-1" / MANIFEST_NAME).is_file() and not (out / "checkpoint-2" / MANIFEST_NAME).exists()
     # 2. started again: resumes from checkpoint-1 (skipping the partial checkpoint-2), killed during step 3
     killed = crash_resume_script.launch(str(out), world_size, kill_step=3, kill_rank=last)
-    _dies(killed, last)
+    _dies(killed, last, "a peer process died or hung during training: rank 1" if world_size == 2 else None)
     assert f"skipping checkpoint {out / 'checkpoint-2'}: no {MANIFEST_NAME}" in killed["logs"][0]
     assert (out / "checkpoint-2" / MANIFEST_NAME).is_file() and not (out / "checkpoint-3").exists()
     # 3. started again: resumes from checkpoint-2 and finishes
@@ -162,3 +163,38 @@ def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_unin
     load = lambda run: torch.load(tmp_path / run / "result.pt", weights_only=False)  # noqa: E731
     _assert_same_run(load("reference"), load("killed"))
     assert sorted(os.listdir(out / "checkpoint-4")) == sorted(os.listdir(tmp_path / "reference" / "checkpoint-4"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The same under DeepSpeed ZeRO-3 and FSDP2 (accelerate launch, 2 processes; the launcher stops the survivor)
+
+full_matrix = pytest.mark.skipif(
+    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the full engine matrix: set HF_RLLOSS_FULL_MATRIX=1"
+)
+
+
+def _accelerate(tmp_path, engine, out, *args, env=None):
+    config = _launch.cpu_accelerate_config(engine, tmp_path)
+    extra = ["--cpu-fsdp"] if engine == "fsdp2" else []
+    cmd = _launch.accelerate_launch(config, _launch.ROOT / "tests/crash_resume_script.py", str(out), *extra, *args)
+    return _launch.run(cmd, timeout=600, cwd=tmp_path, env=env)
+
+
+@full_matrix
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_killed_runs_under_sharded_engines_restart_equal_to_an_uninterrupted_one(tmp_path, engine):
+    reference = _accelerate(tmp_path, engine, tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    out = tmp_path / "killed"
+    killed = _accelerate(tmp_path, engine, out, env={"HF_RLLOSS_TEST_FAULT": "save:2:1"})
+    assert killed.returncode != 0
+    assert (out / "checkpoint-1" / MANIFEST_NAME).is_file() and not (out / "checkpoint-2" / MANIFEST_NAME).exists()
+    killed = _accelerate(tmp_path, engine, out, "--kill-step", "3", "--kill-rank", "1")
+    assert killed.returncode != 0
+    assert f"skipping checkpoint {out / 'checkpoint-2'}: no {MANIFEST_NAME}" in killed.stderr
+    final = _accelerate(tmp_path, engine, out)
+    assert final.returncode == 0, final.stderr[-4000:]
+    load = lambda run: torch.load(tmp_path / run / "result.pt", weights_only=False)  # noqa: E731
+    _assert_same_run(load("reference"), load("killed"))

@@ -250,6 +250,29 @@ def bounded_barrier(timeout_s: float, what: str) -> None:
         ) from err
 
 
+def dead_ranks_after(err: BaseException, timeout_s: float = 5.0) -> str | None:
+    """After a collective failed with `err`, which ranks are gone, as far as gloo's `monitored_barrier` can tell in
+    `timeout_s` (rank 0 learns every rank that does not answer; another rank learns whether rank 0 answers).
+    `None` when `err` is not a failed collective of a gloo world of several processes."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    if dist.get_backend() != "gloo" or not any(s in str(err) for s in ("gloo", "Connection", "monitoredBarrier")):
+        return None
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as probe:
+        text = str(probe)
+        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+        if found:
+            return f"rank(s) {found.group(1).strip()} did not answer"
+        if dist.get_world_size() == 2:  # a broken pair rethrows its own error; with one peer there is no doubt
+            return f"rank {1 - dist.get_rank()}, the only other rank, is gone"
+        if dist.get_rank() != 0:
+            return "rank 0 did not answer"
+        return "which ranks could not be probed: see the launcher's log"
+    return "every rank still answers: the failure was elsewhere"
+
+
 def inject_fault(moment: str, step: int, rank: int) -> None:
     """Test-only: SIGKILL this process when `HF_RLLOSS_TEST_FAULT` is ``"<moment>:<step>:<rank>"``."""
     if os.environ.get(FAULT_ENV) == f"{moment}:{step}:{rank}":
@@ -272,7 +295,14 @@ class CompleteCheckpoints:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, self.args.world_size)
-        return super().train(resume, *args, **kwargs)
+        try:
+            return super().train(resume, *args, **kwargs)
+        except RuntimeError as err:
+            dead = dead_ranks_after(err)
+            if dead is None:
+                raise
+            first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise RuntimeError(f"a peer process died or hung during training: {dead} ({first_line})") from err
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
