@@ -297,6 +297,8 @@ class CompleteCheckpoints:
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, self.args.world_size)
         try:
             return super().train(resume, *args, **kwargs)
+        except CheckpointError:  # already says what failed, and which rank where gloo told
+            raise
         except RuntimeError as err:
             dead = dead_ranks_after(err)
             if dead is None:
