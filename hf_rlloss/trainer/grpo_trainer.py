@@ -52,6 +52,7 @@ from .lm_head import (
     with_model_softcapping,
 )
 from .multimodal import SP_REFUSAL, multimodal_inputs
+from .nonfinite_guard import NonFiniteGradGuard
 from .rollout_recording import (
     REPLAYED_SETTINGS,
     SampledTokenLogprobs,
@@ -112,7 +113,7 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(CompleteCheckpoints, LossLayerForwards, GRPOTrainer):
+class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, GRPOTrainer):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
