@@ -53,8 +53,9 @@ class KillDuringStep(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_run(out: str, kill_step: int | None = None, kill_rank: int = 0) -> None:
-    """One run into `out`: resumed from its newest complete checkpoint if it has one; rank 0 writes `result.pt`."""
+def train_run(out: str, kill_step: int | None = None, kill_rank: int = 0, sp_size: int = 1) -> None:
+    """One run into `out`: resumed from its newest complete checkpoint if it has one; rank 0 writes `result.pt`.
+    `sp_size` 2 splits every sequence over the two ranks (sequence parallelism)."""
     torch.set_num_threads(1)
     tok = make_tokenizer()
     args = RLLossGRPOConfig(
@@ -70,6 +71,7 @@ def train_run(out: str, kill_step: int | None = None, kill_rank: int = 0) -> Non
             "learning_rate": 1e-2,
             "max_completion_length": 6,
             "ddp_timeout": 60,
+            "sp_size": sp_size,
         },
         rl_loss={"policy_loss_cfg": {"loss_type": "vanilla"}, "use_kl_loss": True, "kl_loss_type": "k3"},
     )
@@ -127,7 +129,7 @@ def _forked_rank(rank: int, world_size: int, port: int, out: str, kill: tuple, f
         os._exit(code)
 
 
-def launch(out: str, world_size: int, kill_step=None, kill_rank=0, fault=None, timeout=120.0) -> dict:
+def launch(out: str, world_size: int, kill_step=None, kill_rank=0, fault=None, timeout=120.0, sp_size=1) -> dict:
     """Run `train_run` in `world_size` processes forked from this one (gloo, no launcher: a rank whose peer died
     must leave by itself). Returns ``{"codes": [exit code or -signal per rank], "seconds": [time each took],
     "logs": [each rank's output]}``; kills every rank and raises `TimeoutError` after `timeout` s."""
@@ -139,7 +141,7 @@ def launch(out: str, world_size: int, kill_step=None, kill_rank=0, fault=None, t
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            _forked_rank(rank, world_size, port, out, (kill_step, kill_rank), fault, logs[rank])
+            _forked_rank(rank, world_size, port, out, (kill_step, kill_rank, sp_size), fault, logs[rank])
         pids.append(pid)
     codes, seconds = [None] * world_size, [None] * world_size
     while any(c is None for c in codes):

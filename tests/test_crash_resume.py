@@ -1,6 +1,7 @@
 """Crash safety: a checkpoint is complete or does not exist, a bad one is skipped or named, never loaded silently,
 and a run killed (SIGKILL) during a step or during a save, started again, equals an uninterrupted run."""
 
+import functools
 import json
 import logging
 import os
@@ -140,25 +141,41 @@ def _dies(result, killed_rank, message=None):
                 assert message in result["logs"][rank], result["logs"][rank][-3000:]
 
 
+full_matrix = pytest.mark.skipif(
+    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the full engine matrix: set HF_RLLOSS_FULL_MATRIX=1"
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_uninterrupted_one(tmp_path, world_size):
-    reference = crash_resume_script.launch(str(tmp_path / "reference"), world_size)
+@pytest.mark.parametrize(
+    "world_size,sp_size",
+    [
+        (1, 1),
+        pytest.param(2, 1, marks=pytest.mark.distributed),
+        pytest.param(2, 2, marks=[full_matrix, pytest.mark.distributed]),
+    ],
+    ids=["1proc", "2proc", "2proc-sp2"],
+)
+def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_uninterrupted_one(
+    tmp_path, world_size, sp_size
+):
+    launch = functools.partial(crash_resume_script.launch, world_size=world_size, sp_size=sp_size)
+    reference = launch(str(tmp_path / "reference"))
     assert reference["codes"] == [0] * world_size, reference["logs"][0][-3000:]
 
     out = tmp_path / "killed"
     last = world_size - 1  # the rank killed: a peer of rank 0 when there are two
     # 1. killed in the save of step 2, after its weights and optimizer state, before its RNG state
-    killed = crash_resume_script.launch(str(out), world_size, fault=f"save:2:{last}")
+    killed = launch(str(out), fault=f"save:2:{last}")
     _dies(killed, last, "Ranks 1 failed to pass monitoredBarrier" if world_size == 2 else None)
     assert (out / "checkpoint-1" / MANIFEST_NAME).is_file() and not (out / "checkpoint-2" / MANIFEST_NAME).exists()
     # 2. started again: resumes from checkpoint-1 (skipping the partial checkpoint-2), killed during step 3
-    killed = crash_resume_script.launch(str(out), world_size, kill_step=3, kill_rank=last)
+    killed = launch(str(out), kill_step=3, kill_rank=last)
     _dies(killed, last, "a peer process died or hung during training: rank 1" if world_size == 2 else None)
     assert f"skipping checkpoint {out / 'checkpoint-2'}: no {MANIFEST_NAME}" in killed["logs"][0]
     assert (out / "checkpoint-2" / MANIFEST_NAME).is_file() and not (out / "checkpoint-3").exists()
     # 3. started again: resumes from checkpoint-2 and finishes
-    final = crash_resume_script.launch(str(out), world_size)
+    final = launch(str(out))
     assert final["codes"] == [0] * world_size, final["logs"][0][-3000:]
     load = lambda run: torch.load(tmp_path / run / "result.pt", weights_only=False)  # noqa: E731
     _assert_same_run(load("reference"), load("killed"))
@@ -167,10 +184,6 @@ def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_unin
 
 # --------------------------------------------------------------------------------------------------------------------
 # The same under DeepSpeed ZeRO-3 and FSDP2 (accelerate launch, 2 processes; the launcher stops the survivor)
-
-full_matrix = pytest.mark.skipif(
-    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the full engine matrix: set HF_RLLOSS_FULL_MATRIX=1"
-)
 
 
 def _accelerate(tmp_path, engine, out, *args, env=None):
