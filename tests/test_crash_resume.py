@@ -104,10 +104,22 @@ def test_no_complete_checkpoint_is_an_error_listing_the_skipped_ones(tmp_path):
         resolve_resume(True, str(tmp_path), 2)
 
 
-def test_the_manifest_is_refused_while_a_rank_rng_file_is_missing(tmp_path):
+def test_an_rng_file_the_saving_process_cannot_see_is_recorded_and_warned_about(tmp_path, caplog):
     folder = _fake_checkpoint(tmp_path, 2, manifest=False)
-    (folder / "rng_state_1.pth").unlink()
-    with pytest.raises(CheckpointError, match="rng_state_1.pth missing after every rank finished its save"):
+    (folder / "rng_state_1.pth").unlink()  # e.g. written on another node's disk, without a shared filesystem
+    with caplog.at_level(logging.WARNING):
+        write_manifest(str(folder), global_step=2, world_size=2, rng_files=["rng_state_0.pth", "rng_state_1.pth"])
+        assert checkpoint_problem(str(folder), world_size=2) is None
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    assert manifest["rng_files"] == ["rng_state_0.pth"] and manifest["unseen_rng_files"] == ["rng_state_1.pth"]
+    assert "rng_state_1.pth not visible from the saving process" in caplog.text
+    assert "rng_state_1.pth were not visible when it was saved" in caplog.text
+
+
+def test_the_manifest_is_refused_without_the_trainer_state(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 2, manifest=False)
+    (folder / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match="trainer_state.json missing after every rank finished its save"):
         write_manifest(str(folder), global_step=2, world_size=2, rng_files=["rng_state_0.pth", "rng_state_1.pth"])
     assert not (folder / MANIFEST_NAME).exists()
 

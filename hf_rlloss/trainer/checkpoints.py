@@ -97,13 +97,21 @@ def _fsync(path: str) -> None:
 def write_manifest(folder: str, *, global_step: int, world_size: int, rng_files: list[str]) -> dict[str, Any]:
     """Mark `folder` complete: flush its files to disk, then write the manifest under a temporary name and rename it.
 
-    Call it once every rank's files are written (after a barrier), on the process that saves. Raises
-    `CheckpointError` if an expected RNG file is missing (a rank that returned from its save without writing it).
+    Call it once every rank's files are written (after a barrier), on the process that saves. An expected RNG file
+    that this process cannot see (a node without a shared filesystem) is logged and recorded as unseen.
     """
     files = _files(folder)
-    missing = [name for name in [TRAINER_STATE_NAME, *rng_files] if name not in files]
-    if missing:
-        raise CheckpointError(f"{folder}: {', '.join(missing)} missing after every rank finished its save")
+    if TRAINER_STATE_NAME not in files:
+        raise CheckpointError(f"{folder}: {TRAINER_STATE_NAME} missing after every rank finished its save")
+    # Every rank passed the barrier after writing its RNG file, so one missing here is not visible from this process
+    # (no shared filesystem): recorded, and the resume will say it cannot be exact.
+    unseen = [name for name in rng_files if name not in files]
+    if unseen:
+        logger.warning(
+            f"{folder}: {', '.join(unseen)} not visible from the saving process (no shared filesystem?): a resume "
+            "from this checkpoint cannot restore those ranks' random states"
+        )
+        rng_files = [name for name in rng_files if name in files]
     for rel in files:
         _fsync(os.path.join(folder, rel))
     manifest = {
@@ -111,6 +119,7 @@ def write_manifest(folder: str, *, global_step: int, world_size: int, rng_files:
         "global_step": global_step,
         "world_size": world_size,
         "rng_files": rng_files,
+        "unseen_rng_files": unseen,
         "files": files,
     }
     tmp = os.path.join(folder, f"{MANIFEST_NAME}.{os.getpid()}.tmp")
@@ -183,6 +192,11 @@ def checkpoint_problem(folder: str, world_size: int | None = None) -> str | None
         reason = _unreadable(path)
         if reason:
             return f"{rel} is unreadable ({reason})"
+    if manifest.get("unseen_rng_files"):
+        logger.warning(
+            f"{folder}: {', '.join(manifest['unseen_rng_files'])} were not visible when it was saved: those ranks' "
+            "random states are not restored, so the run will not repeat an uninterrupted one exactly"
+        )
     saved_world = manifest.get("world_size")
     if world_size is not None and saved_world is not None and saved_world != world_size:
         logger.warning(
