@@ -12,6 +12,7 @@ CASES = [
     ("vanilla", "seq-mean-token-mean", "token"),
     ("gspo", "seq-mean-token-mean", "sequence"),
     ("geo_mean", "seq-mean-token-sum", "geometric"),
+    ("geo_mean", "seq-mean-token-mean", "token"),  # token IS weights folded into a geometric mean per sequence
     ("vespo", "token-mean", "token"),  # sequence sums of log-ratios and of folded IS weights, OPSM, KL × s_i
     ("cispo_seq", "seq-mean-token-mean", None),
     ("sapo", "seq-mean-token-sum-norm", "sequence"),  # empty sequences counted once, whole ones rejected by IS too

@@ -184,3 +184,91 @@ def test_ppl_ratio_is_training_ppl_over_rollout_ppl_in_code_and_docs():
     row = next(line for line in page.splitlines() if line.startswith("| `mismatch/mismatch_ppl_ratio`"))
     for text in (row, next(line for line in module.__doc__.splitlines() if "mismatch_ppl_ratio" in line)):
         assert "training ppl / rollout ppl" in text and "rollout ppl / training ppl" not in text, text
+
+
+# GMPO's objective is per sequence, so its rollout IS weight is one per sequence: the geometric mean of the token
+# weights over the sequence's valid tokens (verl's `compute_policy_loss_geo_mean`), not one weight per token.
+GMPO_LABELS = torch.tensor([[1, 2, 3], [4, 5, IGNORE]])
+GMPO_OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, 0.0]], dtype=torch.float64)
+GMPO_STEP = torch.tensor([[0.1, -0.2, 0.5], [0.3, -0.1, 0.0]], dtype=torch.float64)  # log r; 0.5 is clipped at 0.4
+GMPO_ADV = torch.tensor([0.8, -0.5])
+
+
+def _gmpo_reference(lp, weights):
+    """seq-mean-token-mean of ``−A_i·exp(mean_t clip(log r_t))·exp(mean_t log w_t)``, the sequence objective."""
+    losses = []
+    for i, n in enumerate((3, 2)):
+        log_r = lp[i, :n] - GMPO_OLD[i, :n]
+        clipped = log_r.clamp(-0.4, 0.4)
+        q = torch.minimum(log_r, clipped) if GMPO_ADV[i] > 0 else torch.maximum(log_r, clipped)
+        losses.append(-GMPO_ADV[i] * q.mean().exp() * weights[i, :n].log().mean().exp())
+    return torch.stack(losses).mean()
+
+
+def _gmpo_loss(data_extra, **rollout_is):
+    cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": "geo_mean"}, rollout_is=rollout_is)
+    data = {"shifted_labels": GMPO_LABELS, "advantages": GMPO_ADV, "old_logprobs": GMPO_OLD, **data_extra}
+    ctx = cfg.build(data)
+    if rollout_is:
+        ctx.compute_rollout_is()
+    GRPOLossContext.build_batches([ctx])
+    lp = (GMPO_OLD + GMPO_STEP).requires_grad_(True)
+    loss, _ = ctx(logprobs=lp)
+    return loss, torch.autograd.grad(loss, lp)[0], ctx
+
+
+def test_gmpo_token_level_is_weights_fold_into_their_geometric_mean_per_sequence():
+    weights = torch.tensor([[0.5, 2.0, 1.5], [0.8, 1.25, 1.0]], dtype=torch.float64)
+    loss, grad, ctx = _gmpo_loss({"rollout_is_weights": weights})
+    # Closed form: w_0 = (0.5·2·1.5)^(1/3) = 1.5^(1/3), w_1 = (0.8·1.25)^(1/2) = 1; one weight on all of a sequence
+    folded = ctx.loss_kwargs.rollout_is_weights
+    torch.testing.assert_close(folded[0], torch.full((3,), 1.5 ** (1 / 3)), rtol=1e-6, atol=0)
+    torch.testing.assert_close(folded[1, :2], torch.ones(2), rtol=1e-6, atol=0)
+    r0 = math.exp((0.1 - 0.2 + 0.4) / 3)  # A > 0: log r = 0.5 is clipped to 0.4
+    r1 = math.exp((0.3 - 0.1) / 2)
+    assert loss.item() == pytest.approx((-0.8 * r0 * 1.5 ** (1 / 3) + 0.5 * r1) / 2, rel=1e-6)
+    lp = (GMPO_OLD + GMPO_STEP).requires_grad_(True)
+    reference = _gmpo_reference(lp, weights)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference, lp)[0], rtol=1e-6, atol=1e-7)
+    # ... and it is not the per-token product (the old behaviour, 1.3e-2 off verl's gradient in issue 24)
+    per_token = -(0.8 * r0 * (0.5 + 2.0 + 1.5) / 3) / 2 + 0.5 * r1 * (0.8 + 1.25) / 2 / 2
+    assert abs(loss.item() - per_token) > 1e-2
+
+
+def test_gmpo_token_level_rollout_is_matches_verl_geometric_mean():
+    rollout = GMPO_OLD - torch.tensor([[0.3, -0.6, 0.9], [-0.2, 0.4, 0.0]], dtype=torch.float64)  # log ρ = old − μ
+    loss, grad, _ = _gmpo_loss({"rollout_logprobs": rollout}, level="token", upper=2.0)
+    token_weights = (GMPO_OLD - rollout).exp().clamp(max=2.0)  # truncated token ratios; e^0.9 = 2.46 → 2
+    lp = (GMPO_OLD + GMPO_STEP).requires_grad_(True)
+    reference = _gmpo_reference(lp, token_weights)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference, lp)[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+def test_gmpo_sequence_level_is_weights_are_unchanged(level):
+    rollout = GMPO_OLD - torch.tensor([[0.3, -0.6, 0.9], [-0.2, 0.4, 0.0]], dtype=torch.float64)
+    loss, grad, ctx = _gmpo_loss({"rollout_logprobs": rollout}, level=level, upper=2.0)
+    delta = [0.3 - 0.6 + 0.9, -0.2 + 0.4]
+    seq_w = [min(math.exp(d if level == "sequence" else d / n), 2.0) for d, n in zip(delta, (3, 2))]
+    expected = torch.tensor([[seq_w[0]] * 3, [seq_w[1]] * 2 + [0.0]], dtype=torch.float32)
+    torch.testing.assert_close(ctx.loss_kwargs.rollout_is_weights * ctx.mask, expected, rtol=1e-6, atol=0)
+    lp = (GMPO_OLD + GMPO_STEP).requires_grad_(True)
+    reference = _gmpo_reference(lp, expected.double().masked_fill(~ctx.mask, 1.0))
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference, lp)[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("path", ["logprobs", "hidden"])
+def test_gmpo_token_level_is_is_micro_batch_invariant(path):
+    cfg = GRPOLossConfig(
+        policy_loss_cfg={"loss_type": "geo_mean"}, rollout_is={"level": "token", "mode": "both", "upper": 2.0}
+    )
+    step = make_step()
+    rows = list(range(8))
+    reference = run_step(cfg, step, [rows], path)
+    for parts in (2, 4):
+        loss, grad_h, grad_w, _ = run_step(cfg, step, split(rows, parts), path)
+        torch.testing.assert_close(loss, reference[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_h, reference[1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(grad_w, reference[2], atol=1e-6, rtol=0)

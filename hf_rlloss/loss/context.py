@@ -588,6 +588,9 @@ class GRPOLossContext(BaseRLLossContext):
         if sp_world_size(sp_mesh) > 1:
             all_reduce(flat_counts, group=sp_group(sp_mesh))
         counts = list(torch.split(flat_counts, [len(c) for c in counts]))
+        if cfg.policy_loss_cfg.spec.rollout_is_per_sequence:
+            for ctx, seq_counts in zip(contexts, counts):
+                ctx._fold_rollout_is_per_sequence(seq_counts)
 
         local_tokens = sum(float(ctx.mask.sum()) for ctx in contexts)
         # Sequences live on every rank of their SP group: count them once, on its first rank. `flat_counts` has one
@@ -622,6 +625,26 @@ class GRPOLossContext(BaseRLLossContext):
             # TRL's entropy bonus: a per-micro-batch token mean over the step's micro-batches (after × grad_scale)
             ctx.entropy_scale = step_fraction / (len(contexts) * max(float(ctx.mask.sum()), 1.0) * float(grad_scale))
         return contexts
+
+    def _fold_rollout_is_per_sequence(self, seq_counts: torch.Tensor) -> None:
+        """Replace token-level rollout IS weights by one weight per sequence, their geometric mean over the valid
+        tokens of the whole sequence (across SP shards): ``w_i = exp(Σ_t log w_t / n_i)``, as verl's GMPO.
+
+        A weight constant over a sequence (sequence or geometric level, TRL's `(B, 1)` ratio) is left as it is.
+        Weights are floored at 1e-10 before the log (verl adds 1e-10), so a zero weight gives a near-zero ``w_i``.
+        """
+        kwargs = self.loss_kwargs
+        if kwargs.rollout_is_weights is None:
+            return
+        mask = self.mask
+        log_w = kwargs.rollout_is_weights.double().clamp(min=1e-10).log()[mask]  # (N,)
+        sums = torch.zeros(kwargs.num_sequences, dtype=torch.float64, device=log_w.device)
+        sums.index_add_(0, kwargs.seq_ids[mask], log_w)
+        if sp_world_size(self.sp_mesh) > 1:  # a sequence's shards live on the ranks of its SP group
+            all_reduce(sums, group=sp_group(self.sp_mesh))
+        seq_weight = (sums / seq_counts.clamp(min=1)).exp()  # (S,)
+        per_token = seq_weight[kwargs.seq_ids.clamp(min=0)].to(kwargs.rollout_is_weights.dtype)  # (B, T)
+        kwargs.rollout_is_weights = torch.where(mask, per_token, kwargs.rollout_is_weights)
 
     def _handle_nonfinite(self, index: int) -> None:
         kwargs = self.loss_kwargs

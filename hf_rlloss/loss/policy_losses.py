@@ -47,6 +47,10 @@ class PolicyLossSpec:
             over each sequence (VESPO's weight is a function of the *sum* of the log-ratios).
         absorbs_rollout_is (`bool`, defaults to `False`): the rollout IS weights enter the loss through its sequence
             statistic (called with ``rollout_is_weights=...``), instead of multiplying the per-token loss.
+        rollout_is_per_sequence (`bool`, defaults to `False`): the objective is per sequence (GMPO), so its rollout
+            IS weight is one per sequence: the geometric mean ``exp(mean_t log w_t)`` of the token weights over the
+            sequence's valid tokens (verl's definition), folded by ``build_batches``. Sequence- and geometric-level
+            weights are constant over a sequence, so they are unchanged.
     """
 
     fn: PolicyLossFn
@@ -55,6 +59,7 @@ class PolicyLossSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
     sequence_reduction: str = "mean"
     absorbs_rollout_is: bool = False
+    rollout_is_per_sequence: bool = False
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
@@ -68,6 +73,7 @@ def register_policy_loss(
     defaults: dict[str, Any] | None = None,
     sequence_reduction: str = "mean",
     absorbs_rollout_is: bool = False,
+    rollout_is_per_sequence: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` (see :class:`PolicyLossSpec` for the arguments)."""
     if default_agg_mode not in AGG_MODES:
@@ -77,7 +83,13 @@ def register_policy_loss(
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         _REGISTRY[name] = PolicyLossSpec(
-            fn, sequence_statistic, default_agg_mode, dict(defaults or {}), sequence_reduction, absorbs_rollout_is
+            fn,
+            sequence_statistic,
+            default_agg_mode,
+            dict(defaults or {}),
+            sequence_reduction,
+            absorbs_rollout_is,
+            rollout_is_per_sequence,
         )
         return fn
 
@@ -279,6 +291,7 @@ def _gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, cfg) -> torch.Te
     sequence_statistic=_gmpo_clipped_log_ratio,
     default_agg_mode="seq-mean-token-mean",
     defaults={"cliprange_low": 0.4, "cliprange_high": 0.4},
+    rollout_is_per_sequence=True,
 )
 def geo_mean_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """GMPO (Zhao et al. 2025, https://arxiv.org/abs/2507.20673): ``ℓ_i = −A_i·exp(mean_t clip(log r_t))``.
@@ -286,6 +299,9 @@ def geo_mean_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> Los
     The clip range is in log space (``cliprange_low/high`` = 0.4 gives the paper's ``(e^−0.4, e^0.4)``). Written per
     token as ``−A·sg(R_i)·(1 + q_t − sg(q_t))``, ``q_t`` the clipped log-ratio: every token's value is ``ℓ_i`` and the
     gradient of the ``seq-mean-token-mean`` aggregate equals that of the sequence objective exactly.
+
+    Rollout IS weights multiply ``ℓ_i`` once per sequence, as in verl: token-level weights are folded into their
+    geometric mean over the sequence's valid tokens, ``exp(mean_t log w_t)`` (``rollout_is_per_sequence``).
     """
     q = _gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, cfg)
     seq_ratio = seq_mean.exp()

@@ -255,6 +255,11 @@ class RLLossGRPOConfig(GRPOConfig):
             steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
             `per_device_train_batch_size × (processes / sp_size) × steps_per_generation`.
 
+        skip_nonfinite_grad_steps (`int`, *optional*, defaults to `0`):
+            `0`: off. `N > 0`: an optimizer step whose gradient norm is not finite is skipped (parameters, optimizer
+            state and learning-rate schedule unchanged; `nonfinite_grad_skipped` logged), and the `N + 1`-th
+            consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.nonfinite_guard`). Not under
+            DeepSpeed.
         activation_checkpointing (`bool`, *optional*, defaults to `True`):
             TRL's default for activation (gradient) checkpointing, under transformers 5's name; the deprecated
             `gradient_checkpointing` still works (with transformers' FutureWarning).
@@ -325,7 +330,18 @@ class RLLossGRPOConfig(GRPOConfig):
         },
     )
 
+    skip_nonfinite_grad_steps: int = field(
+        default=0,
+        metadata={
+            "help": "0 (off) or N > 0: skip an optimizer step whose gradient norm is not finite (e.g. bf16 overflow; "
+            "parameters, optimizer state and LR schedule are left as they were; logged as nonfinite_grad_skipped), "
+            "and stop with an error at the (N+1)-th such step in a row. Not under DeepSpeed."
+        },
+    )
+
     def __post_init__(self):
+        if not isinstance(self.skip_nonfinite_grad_steps, int) or self.skip_nonfinite_grad_steps < 0:
+            raise ValueError(f"skip_nonfinite_grad_steps={self.skip_nonfinite_grad_steps!r} must be an integer >= 0")
         if self.rollout_logprobs is not None:
             warnings.warn(
                 "RLLossGRPOConfig: rollout_logprobs is deprecated and will be removed; use record_rollout_logprobs "

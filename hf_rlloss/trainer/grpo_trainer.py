@@ -36,6 +36,7 @@ from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from ..recipe_support.hub import complete_model_card
+from .checkpoints import CompleteCheckpoints
 from .engines import (
     activation_checkpointing_disabled,
     prepare_reference,
@@ -51,6 +52,7 @@ from .lm_head import (
     with_model_softcapping,
 )
 from .multimodal import SP_REFUSAL, multimodal_inputs
+from .nonfinite_guard import NonFiniteGradGuard
 from .rollout_recording import (
     REPLAYED_SETTINGS,
     SampledTokenLogprobs,
@@ -111,7 +113,7 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
+class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, GRPOTrainer):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
