@@ -47,6 +47,11 @@ class PolicyLossSpec:
             over each sequence (VESPO's weight is a function of the *sum* of the log-ratios).
         absorbs_rollout_is (`bool`, defaults to `False`): the rollout IS weights enter the loss through its sequence
             statistic (called with ``rollout_is_weights=...``), instead of multiplying the per-token loss.
+        trl_metrics (`str`, *optional*): the TRL `loss_type` whose loss-specific metrics this loss logs under TRL's
+            names (see `hf_rlloss.loss.metrics.TRL_FAMILIES`): `"clip"` (`clip_ratio/*`), `"cispo"`
+            (`cispo_clip_ratio`) or `"vespo"` (`vespo/phi_seq_mean`); `None` for a loss TRL does not have.
+        trl_sequence_level (`bool`, defaults to `False`): TRL's `importance_sampling_level="sequence"` form, whose
+            metrics TRL averages over sequences instead of tokens.
     """
 
     fn: PolicyLossFn
@@ -55,6 +60,8 @@ class PolicyLossSpec:
     defaults: dict[str, Any] = field(default_factory=dict)
     sequence_reduction: str = "mean"
     absorbs_rollout_is: bool = False
+    trl_metrics: str | None = None
+    trl_sequence_level: bool = False
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
@@ -68,6 +75,8 @@ def register_policy_loss(
     defaults: dict[str, Any] | None = None,
     sequence_reduction: str = "mean",
     absorbs_rollout_is: bool = False,
+    trl_metrics: str | None = None,
+    trl_sequence_level: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` (see :class:`PolicyLossSpec` for the arguments)."""
     if default_agg_mode not in AGG_MODES:
@@ -77,7 +86,14 @@ def register_policy_loss(
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         _REGISTRY[name] = PolicyLossSpec(
-            fn, sequence_statistic, default_agg_mode, dict(defaults or {}), sequence_reduction, absorbs_rollout_is
+            fn,
+            sequence_statistic,
+            default_agg_mode,
+            dict(defaults or {}),
+            sequence_reduction,
+            absorbs_rollout_is,
+            trl_metrics,
+            trl_sequence_level,
         )
         return fn
 
@@ -125,7 +141,7 @@ def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
     return torch.maximum(unclipped, clipped), indicators
 
 
-@register_policy_loss("vanilla", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2})
+@register_policy_loss("vanilla", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2}, trl_metrics="clip")
 def vanilla_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """Dual-clip PPO (Ye et al. 2019, https://arxiv.org/abs/1912.09729) with asymmetric clip ranges (DAPO).
 
@@ -154,6 +170,8 @@ def _gspo_statistic(logprobs, old_logprobs, advantages, cfg) -> torch.Tensor:
     sequence_statistic=_gspo_statistic,
     default_agg_mode="seq-mean-token-mean",
     defaults={"cliprange_low": 3e-4, "cliprange_high": 4e-4},
+    trl_metrics="clip",
+    trl_sequence_level=True,
 )
 def gspo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071) in its token form, as verl.
@@ -167,7 +185,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOut
     return _ppo_clip(log_seq_ratio.exp(), advantages, cfg)
 
 
-@register_policy_loss("cispo", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2})
+@register_policy_loss("cispo", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2}, trl_metrics="cispo")
 def cispo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): ``ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ``.
 
@@ -191,6 +209,8 @@ def _cispo(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor
     "cispo_seq",
     sequence_statistic=_gspo_statistic,
     defaults={"cliprange_low": 0.2, "cliprange_high": 0.2},
+    trl_metrics="cispo",
+    trl_sequence_level=True,
 )
 def cispo_seq_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """Sequence-level CISPO (TRL's ``loss_type="cispo"`` with ``importance_sampling_level="sequence"``).
@@ -249,7 +269,14 @@ def _vespo_statistic(logprobs, old_logprobs, advantages, cfg, rollout_is_weights
     return stat
 
 
-@register_policy_loss("vespo", sequence_statistic=_vespo_statistic, sequence_reduction="sum", absorbs_rollout_is=True)
+@register_policy_loss(
+    "vespo",
+    sequence_statistic=_vespo_statistic,
+    sequence_reduction="sum",
+    absorbs_rollout_is=True,
+    trl_metrics="vespo",
+    trl_sequence_level=True,
+)
 def vespo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """VESPO (https://huggingface.co/papers/2602.10693) as TRL's ``vespo``: ``ℓ_t = −sg(φ(w_i))·A·log π_θ(o_t)``.
 
@@ -263,7 +290,7 @@ def vespo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOu
     k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(log_w.dtype)
     lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).to(log_w.dtype)
     phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
-    return -phi * advantages * logprobs, {}
+    return -phi * advantages * logprobs, {"phi": phi}
 
 
 def _gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, cfg) -> torch.Tensor:

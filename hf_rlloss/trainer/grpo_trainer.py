@@ -32,7 +32,7 @@ from trl.trainer.utils import (
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.fields import FROM_TRL
-from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..loss.metrics import finalize_step_metrics
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from ..recipe_support.hub import complete_model_card
@@ -256,7 +256,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         self._rl_pending: deque[BaseRLLossContext] = deque()
         self._rl_step_remaining = 0  # micro-batches of the current optimizer step without a context yet
         self._rl_step_size = 0
-        self._rl_step_metrics: dict[str, Any] = {}
+        self._rl_step_metrics: list[dict[str, Any]] = []  # the metrics of each micro-batch of the step so far
         self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
         self._recorded_kept_logmass: list[list[torch.Tensor]] = []
         self._stashed_kept_logmass: torch.Tensor | None = None
@@ -475,13 +475,13 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         else:
             loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
         if mode == "train":
-            self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
+            self._rl_step_metrics.append(metrics)
             if inputs.get("rl_loss_last_micro_batch", True):
                 self._log_rl_metrics("train", self._rl_step_metrics)
-                self._rl_step_metrics = {}
+                self._rl_step_metrics = []
                 self._end_of_step_entropy_control()
         else:
-            self._log_rl_metrics("eval", metrics)
+            self._log_rl_metrics("eval", [metrics])
         if self.accelerator.distributed_type != "DEEPSPEED":
             loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
         return loss
@@ -598,7 +598,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         `k / n` of the step's micro-batches (`step_fraction`; see docs/design.md)."""
         if self._rl_step_remaining == 0:  # the first micro-batch of an optimizer step
             self._rl_step_size = self._rl_step_remaining = self.current_gradient_accumulation_steps
-            self._rl_step_metrics = {}
+            self._rl_step_metrics = []
         spg = self.args.steps_per_generation
         generate_every = spg * self.num_iterations
         # TRL's `_prepare_inputs` has already handed out (and `_step` not yet counted) the current micro-batch
@@ -628,10 +628,16 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         if self._entropy_bonus_enabled:
             self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
-    def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
-        """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
-        for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():
+    def _log_rl_metrics(self, mode: str, micro_batches: list[dict[str, Any]]) -> None:
+        """Reduce the metrics of a step's micro-batches across ranks (collective) and append them to TRL's metric
+        lists: ours once per step, TRL's keys (`kl`, `entropy`, `clip_ratio/*`, `policy_loss`, ...) once per
+        micro-batch, as TRL appends them (its `log` averages each list over the logging window)."""
+        step, trl_per_micro_batch = finalize_step_metrics(micro_batches, device=self.accelerator.device)
+        for key, value in step.items():
             self._metrics[mode][key].append(float(value))
+        for trl_metrics in trl_per_micro_batch:
+            for key, value in trl_metrics.items():
+                self._metrics[mode][key].append(float(value))
 
     # ------------------------------------------------------------------------------------------------------------
     # Old log-probs and the recorded rollout
