@@ -126,7 +126,6 @@ def test_entropy_bonus_adaptive(tok, tmp_path):
     assert {"entropy_coef", "policy_loss", "entropy"} <= _compare(stock, ours)
 
 
-@pytest.mark.slow  # the MoE experts run slowly on CPU
 def test_moe_aux_loss(tok, tmp_path):
     stock, ours = _both(tok, tmp_path, model=lambda: _tiny_moe(tok, "qwen3_moe"), loss_type="dapo", max_steps=1)
     assert "aux_loss" in _compare(stock, ours)

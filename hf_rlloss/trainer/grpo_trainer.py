@@ -35,7 +35,7 @@ from ..loss.fields import FROM_TRL
 from ..loss.metrics import finalize_step_metrics
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
-from ..recipe_support.hub import complete_model_card
+from ..recipe_support.hub import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
 from .engines import (
     activation_checkpointing_disabled,
     prepare_reference,
@@ -518,8 +518,13 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         dataset_name: str | None = None,
         tags: str | list[str] | None = None,
         base_model: str | None = None,
+        example_prompt: str | None = None,
     ) -> None:
         """TRL override: TRL's model card, completed for the Hub by `hf_rlloss.recipe_support.hub.complete_model_card`.
+
+        Its quick start loads the Hub repository when there is one (`hub_model_id`, `push_to_hub`), else the output
+        folder relative to the working directory, and asks one of the training prompts; its front matter has the base
+        model's license when its card can be read offline.
 
         Args:
             model_name (`str`, *optional*, defaults to the name of `output_dir`):
@@ -531,14 +536,24 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
             base_model (`str`, *optional*):
                 The model trained from: its `base_model` metadata when it is a Hub id, else named in the text.
                 Defaults to TRL's choice (the policy's `config._name_or_path` unless it is a local folder).
+            example_prompt (`str`, *optional*, defaults to the first training prompt):
+                The quick start's question.
         """
         if not self.is_world_process_zero():
             return
         model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
-        local_path = None if self.hub_model_id else os.path.abspath(self.args.output_dir)
-        card = complete_model_card(ModelCard.load(path), self.rl_loss_config.to_dict(), base_model, local_path)
+        local_path = None if self.hub_model_id else quick_start_folder(self.args.output_dir)
+        source = getattr(self.model.config, "_name_or_path", None)
+        card = complete_model_card(
+            ModelCard.load(path),
+            self.rl_loss_config.to_dict(),
+            base_model,
+            local_path,
+            example_prompt or dataset_example_prompt(self.train_dataset),
+            base_model_license(source) or base_model_license(base_model),
+        )
         card.save(path)
 
     # ------------------------------------------------------------------------------------------------------------
