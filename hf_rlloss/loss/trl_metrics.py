@@ -106,9 +106,11 @@ def finish(
     if cfg.policy_loss_cfg.spec.trl_metrics == "vespo":
         # TRL's row without a valid token (e.g. masked by `mask_truncated_completions`) has w = 1, so φ = 1
         metrics[TRL + "phi_seq_sum"] = metrics[TRL + "phi_seq_sum"] + empty_rows
-    if _SEQ_LOW not in metrics:
+    if cfg.policy_loss_cfg.spec.trl_metrics != "clip":
         return metrics
-    counts = torch.stack([metrics.pop(_SEQ_LOW), metrics.pop(_SEQ_HIGH)])  # (2, S)
+    # A shard without valid tokens has no chunk: zeros, so that every SP rank joins the all-reduce
+    zeros = torch.zeros(num_sequences, dtype=torch.float64, device=device)
+    counts = torch.stack([metrics.pop(_SEQ_LOW, zeros), metrics.pop(_SEQ_HIGH, zeros)])  # (2, S)
     if sp_world_size(sp_mesh) > 1:
         all_reduce(counts, group=sp_group(sp_mesh))
     # TRL's token level skips sequences without a valid token (NaN, then nanmin); its sequence level keeps every row
