@@ -138,3 +138,28 @@ def test_docs_table_is_the_spec_table():
     docs = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
     assert trl_metrics_table() in docs
     assert len({spec.trl for spec in METRICS.values() if spec.trl}) == sum(1 for s in METRICS.values() if s.trl)
+
+
+def test_step_and_micro_batch_values_in_closed_form():
+    """Ours: token means over the step; TRL's: one value per micro-batch (a neutral extremum: none)."""
+    from hf_rlloss.loss.metrics import finalize_step_metrics
+
+    def micro_batch(tokens, entropy, clipped, seq_min, loss):
+        return {
+            "train_policy/valid_tokens": tokens,
+            "train_policy/entropy_sum": entropy,
+            "train_policy/entropy_tokens": tokens,
+            "trl/units": tokens,
+            "trl/clip_low_sum": clipped,
+            "trl/clip_low_seq_min": seq_min,
+            "trl/policy_loss": loss,
+        }
+
+    step, trl = finalize_step_metrics(
+        [micro_batch(2.0, 4.0, 1.0, 0.5, 0.3), micro_batch(6.0, 6.0, 0.0, math.inf, 0.1)]
+    )
+    assert step["train_policy/entropy"] == 10.0 / 8.0 and step["train_policy/valid_tokens"] == 8.0
+    assert trl == [
+        {"entropy": 2.0, "clip_ratio/low_mean": 0.5, "clip_ratio/low_min": 0.5, "policy_loss": 0.3},
+        {"entropy": 1.0, "clip_ratio/low_mean": 0.0, "policy_loss": 0.1},
+    ]

@@ -580,14 +580,10 @@ def finalize_step_metrics(
         return step, []
     out = {k: v for k, v in step.items() if k not in METRICS}
     per_micro_batch = reduce_micro_batches(micro_batches, device, group)
-    reduced: dict[str, float] = {}
-    for mb in per_micro_batch:
-        for key, value in mb.items():
-            if key not in reduced:
-                reduced[key] = value
-            else:
-                reduced[key] = {Reduction.SUM: reduced[key] + value, Reduction.MAX: max(reduced[key], value),
-                                Reduction.MIN: min(reduced[key], value)}[METRICS[key].reduction]  # fmt: skip
+    reduced: dict[str, Any] = {}
+    for mb in per_micro_batch:  # the step's reduced values: the micro-batches' merged (sums, extrema)
+        accumulate_metrics(reduced, mb)
+    reduced = {key: float(value) for key, value in reduced.items()}
     out.update(finalize_reduced(reduced))
     for finalizer in _FINALIZERS:
         out.update(finalizer(reduced))

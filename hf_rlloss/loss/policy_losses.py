@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .metrics import TRL_FAMILIES
+
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 PolicyLossFn = Callable[..., LossOutput]
 
@@ -83,6 +85,8 @@ def register_policy_loss(
         raise ValueError(f"default_agg_mode={default_agg_mode!r}; allowed: {', '.join(AGG_MODES)}")
     if sequence_reduction not in ("mean", "sum"):
         raise ValueError(f"sequence_reduction={sequence_reduction!r}; allowed: mean, sum")
+    if trl_metrics is not None and trl_metrics not in TRL_FAMILIES:
+        raise ValueError(f"trl_metrics={trl_metrics!r}; allowed: None, {', '.join(TRL_FAMILIES)}")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         _REGISTRY[name] = PolicyLossSpec(
