@@ -53,7 +53,18 @@ CASES = {
 }
 
 
-PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_policy/")
+# ours, and TRL's names computed per micro-batch (`clip_ratio/*`, `entropy`, `policy_loss`, `kl`)
+PREFIXES = (
+    "loss/",
+    "train_policy/",
+    "rollout_is/",
+    "mismatch/",
+    "eval_train_policy/",
+    "clip_ratio/",
+    "entropy",
+    "policy_loss",
+    "kl",
+)
 
 
 def make_model(tokenizer, heads: int = 4, kv_heads: int = 1, hidden_size: int = 32) -> Qwen2ForCausalLM:

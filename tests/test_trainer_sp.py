@@ -26,6 +26,8 @@ TIMEOUT = 480  # seconds per launch; 4 processes on 2 cores take about 30 s when
 
 # name -> (processes, sp_size, per_device_train_batch_size, per_device_eval_batch_size): one global batch of 8
 # sequences per optimizer step (2 micro-batches of 4, per SP group or process) and one eval batch of 8 completions.
+# TRL's names (issue 25), logged per micro-batch: compared where the micro-batches hold the same rows (sp2)
+TRL_KEYS = ("clip_ratio/", "entropy", "policy_loss", "kl")
 RUNS = {
     "one": (1, 1, 4, 8),
     "sp2": (2, 2, 4, 4),
@@ -107,6 +109,8 @@ def test_sequence_parallel_matches_one_process(runs, name):
             if "loss" in a:  # the Trainer's logged loss is the step's global loss
                 assert abs(a["loss"] - b["loss"]) < 1e-5, (case, a["loss"], b["loss"])
             for key in a:
+                if name != "sp2" and key.startswith(TRL_KEYS):
+                    continue  # per micro-batch: with 2 DP ranks a micro-batch holds other rows than one process's
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (case, key, a[key], b[key])
     # the second step is off-policy (num_iterations=2: old log-probs from the SP no-grad pass), and it trains
     for case in ("vanilla", "gspo"):

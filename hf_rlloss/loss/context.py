@@ -28,6 +28,9 @@ from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, 
 from .kl import kl_penalty
 from .metrics import TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
 from .rollout_is import compute_rollout_is
+from .trl_metrics import K3_TYPES, trl_features
+from .trl_metrics import chunk_metrics as trl_chunk_metrics
+from .trl_metrics import finish as finish_trl_metrics
 
 
 class BaseRLLossKwargs(BaseModel):
@@ -158,6 +161,7 @@ class BaseRLLossContext:
         self.entropy_scale: float | None = None  # 1 / (tokens × micro-batches × grad_scale), set by build_batches
         self.entropy_keep_scale = 1.0  # valid / kept tokens under top_entropy_quantile
         self.process_group = None  # the step's ranks (set by build_batches): the entropy quantile is over them
+        self.trl_policy_loss_scale = 1.0  # micro-batch share → TRL's `policy_loss` (set by build_batches)
 
     def _name(self, position: int | None = None) -> str:
         """`"micro-batch i"` for messages: the index given to `cfg.build`, else the position in `build_batches`."""
@@ -344,6 +348,8 @@ class BaseRLLossContext:
             head = {"temperature": temperature, "matmul_dtype": matmul_dtype}
             loss, metrics, detached = self._loss_from_hidden(hidden_states, head_weight, index, tokens, **head)
         metrics = accumulate_metrics(self._empty_metrics(hidden_states is not None, loss.device), metrics)
+        num_sequences = self.loss_kwargs.num_sequences
+        finish_trl_metrics(metrics, self.loss_cfg, len(index), num_sequences, self.seq_token_counts, self.sp_mesh)
         if self.deferred_rollout_is_mask is not None:
             accumulate_metrics(metrics, self._deferred_rollout_is_metrics(index, detached))
         if self.pending_metrics:
@@ -528,6 +534,7 @@ class BaseRLLossContext:
             "entropy": entropy,
             "entropy_bonus": self.entropy_coef != 0.0,
             "entropy_kept": entropy and getattr(cfg, "top_entropy_quantile", 1.0) < 1.0,
+            **dict.fromkeys(trl_features(cfg), True),
         }
         return neutral_metrics([name for name, on in features.items() if on], device)
 
@@ -624,6 +631,10 @@ class GRPOLossContext(BaseRLLossContext):
             ctx.process_group = process_group
             # TRL's entropy bonus: a per-micro-batch token mean over the step's micro-batches (after × grad_scale)
             ctx.entropy_scale = step_fraction / (len(contexts) * max(float(ctx.mask.sum()), 1.0) * float(grad_scale))
+            # TRL logs a sequence-aggregated micro-batch's own loss (its share × the step's micro-batches), and under
+            # token-mean (dapo, cispo, vespo) its share of the step's loss
+            sequence_agg = cfg.agg_mode != "token-mean"
+            ctx.trl_policy_loss_scale = len(contexts) / step_fraction if sequence_agg else 1.0
         return contexts
 
     def _fold_rollout_is_per_sequence(self, seq_counts: torch.Tensor) -> None:
@@ -696,11 +707,27 @@ class GRPOLossContext(BaseRLLossContext):
         policy = torch.where(weight != 0, per_token * weight, 0.0).sum()
         metrics["loss/policy"] = policy.detach()
         total = policy
+        trl_kl = None
         if cfg.use_kl_loss:
             kl, kl_loss = self._kl_term(logprobs, old, chunk, tokens)
             total = total + kl_loss
             metrics["loss/kl"] = kl_loss.detach()
             metrics[TRAIN_POLICY + "ref_kl_sum"] = kl.detach().sum()
+            if cfg.kl_loss_type in K3_TYPES:
+                trl_kl = kl.detach() * self._kl_bias_ratio(logprobs.detach(), old, chunk, tokens)
+        metrics.update(
+            trl_chunk_metrics(
+                cfg,
+                indicators,
+                advantages,
+                tokens["seq_ids"][chunk],
+                self.seq_token_counts,
+                self.loss_kwargs.num_sequences,
+                total.detach(),
+                self.trl_policy_loss_scale,
+                trl_kl,
+            )
+        )
         if self.entropy_coef != 0.0:
             kept = (
                 entropy if "entropy_keep" not in tokens else torch.where(tokens["entropy_keep"][chunk], entropy, 0.0)
@@ -709,6 +736,16 @@ class GRPOLossContext(BaseRLLossContext):
             total = total + bonus
             metrics["loss/entropy_bonus"] = bonus.detach()
         return total, metrics
+
+    def _kl_bias_ratio(self, logprobs, old, chunk, tokens) -> torch.Tensor | float:
+        """The IS ratio ``ρ_t`` of `kl_bias_correction` (see `_kl_term`), 1 without it."""
+        cfg = self.loss_cfg
+        if cfg.kl_bias_correction == "token":
+            policy_cfg = cfg.policy_loss_cfg
+            return (logprobs - old).clamp(policy_cfg.log_prob_diff_min, policy_cfg.log_prob_diff_max).exp()
+        if cfg.kl_bias_correction == "sequence":
+            return tokens["kl_seq_ratio"][chunk]
+        return 1.0
 
     def _kl_term(self, logprobs, old, chunk, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token KL estimate ``k_t`` and the weighted KL loss of a chunk.
@@ -720,12 +757,10 @@ class GRPOLossContext(BaseRLLossContext):
         ``s_i·Σ_t w_t·k_t`` and the gradient ``s_i·Σ_t w_t·∇k_t + s_i·(Σ_u w_u·k_u)·mean_t ∇log π_t``, exactly.
         """
         cfg = self.loss_cfg
-        policy_cfg = cfg.policy_loss_cfg
         weight = tokens["kl_loss_weight"][chunk]
         kl = kl_penalty(logprobs, tokens["ref_logprobs"][chunk], cfg.kl_loss_type)
         if cfg.kl_bias_correction == "token":
-            ratio = (logprobs - old).clamp(policy_cfg.log_prob_diff_min, policy_cfg.log_prob_diff_max).exp()
-            return kl, (kl * ratio * weight).sum()
+            return kl, (kl * self._kl_bias_ratio(logprobs, old, chunk, tokens) * weight).sum()
         if cfg.kl_bias_correction == "sequence":
             coupling = tokens["kl_seq_coupling"][chunk] * (logprobs - logprobs.detach())
             return kl, (tokens["kl_seq_ratio"][chunk] * kl * weight + coupling).sum()

@@ -59,6 +59,10 @@ class MetricSpec:
         counts (`str`, *optional*): for a count key, what it counts (names the mean in the documentation).
         emitted (`str`, *optional*): the feature under which a loss context always emits the key (at its neutral
             value when it has no data), so that every rank reduces the same keys; see `neutral_metrics`.
+        trl (`str`, *optional*): the key TRL's `GRPOTrainer` logs this value under. It is computed as TRL does:
+            per micro-batch over all ranks (a SUM over `per`, an extremum, or a sum), appended once per micro-batch
+            to TRL's metric lists, which TRL's `log` averages over the logging window (see `trl_micro_batch_metrics`).
+        trl_note (`str`, *optional*): when the value differs from TRL's, how (documentation).
     """
 
     key: str
@@ -70,6 +74,8 @@ class MetricSpec:
     offset: float = 0.0
     counts: str | None = None
     emitted: str | None = None
+    trl: str | None = None
+    trl_note: str = ""
 
     @property
     def neutral(self) -> float:
@@ -117,6 +123,84 @@ def _tp(name: str, reduction: Reduction, logged: str | None, meaning: str, **fie
     return MetricSpec(TRAIN_POLICY + name, reduction, meaning, logged_as, **fields)
 
 
+TRL = "trl/"
+TRL_UNITS = TRL + "units"
+# TRL's loss-specific metrics by the `trl_metrics` family of the policy loss (`PolicyLossSpec.trl_metrics`), and the
+# feature under which a context emits their accumulators.
+TRL_FAMILIES = {"clip": "trl_clip", "cispo": "trl_cispo", "vespo": "trl_vespo"}
+_SEQ_LEVEL = (
+    "TRL's `importance_sampling_level='sequence'` form (`gspo`, `cispo_seq`, `vespo`) is averaged over sequences "
+    "(every row of the micro-batch), as TRL does"
+)
+
+
+def _trl(name: str, reduction: Reduction, trl: str, meaning: str, emitted: str, **fields: Any) -> MetricSpec:
+    """A `trl/<name>` accumulator logged only under TRL's key `trl`, per micro-batch (by default a mean over
+    `trl/units`: valid tokens, or sequences at TRL's sequence level)."""
+    return MetricSpec(
+        TRL + name, reduction, meaning, per=fields.pop("per", TRL_UNITS), emitted=emitted, trl=trl, **fields
+    )
+
+
+TRL_SPECS = [
+    MetricSpec(
+        TRL_UNITS,
+        SUM,
+        "what TRL averages its loss-specific metrics over: valid tokens, or sequences at TRL's sequence level",
+        counts="valid tokens (sequences at TRL's sequence level)",
+        emitted="trl",
+    ),
+    _trl(
+        "policy_loss",
+        SUM,
+        "policy_loss",
+        "the loss before the entropy bonus and the router loss (`loss/policy + loss/kl`), per micro-batch as TRL: "
+        "the micro-batch's own loss under sequence aggregations, its share of the step's under `token-mean`",
+        "trl",
+        per=None,
+        trl_note="TRL's `bnpo` (a token mean per micro-batch) is our global `token-mean`: its value is then the "
+        "micro-batch's share of the step's token mean, not its own token mean. With a step spanning two generation "
+        "batches (`steps_per_generation` ≠ `gradient_accumulation_steps`) the loss itself is normalized differently "
+        "(see design.md). TRL logs it only with an entropy bonus; we log it always.",
+    ),
+    _trl(
+        "kl_sum",
+        SUM,
+        "kl",
+        "mean per-token k3 KL to the reference (× TRL's IS ratio under `kl_bias_correction`), over valid tokens",
+        "trl_kl",
+        per=VALID_TOKENS,
+        trl_note="logged only when `kl_loss_type` is `k3`/`low_var_kl` (TRL's estimator); ours clamps k3 at 10 "
+        "(verl's), TRL does not: they differ only for tokens with `log π_ref − log π_θ` above about 2.5.",
+    ),
+    _trl("clip_low_sum", SUM, "clip_ratio/low_mean", "share of units with `A < 0` and `r < 1 − ε_low`", "trl_clip"),
+    _trl("clip_high_sum", SUM, "clip_ratio/high_mean", "share of units with `A > 0` and `r > 1 + ε_high`", "trl_clip"),
+    _trl("clip_region_sum", SUM, "clip_ratio/region_mean", "share of units clipped low or high", "trl_clip"),
+    _trl(
+        "clip_low_seq_min",
+        MIN,
+        "clip_ratio/low_min",
+        "smallest per-sequence share of tokens clipped low (sequences with a valid token)",
+        "trl_clip",
+    ),
+    _trl(
+        "clip_high_seq_max",
+        MAX,
+        "clip_ratio/high_max",
+        "largest per-sequence share of tokens clipped high (sequences with a valid token)",
+        "trl_clip",
+    ),
+    _trl(
+        "cispo_clip_sum",
+        SUM,
+        "cispo_clip_ratio",
+        "share of units with `A > 0` whose IS weight was capped",
+        "trl_cispo",
+    ),
+    _trl("phi_seq_sum", SUM, "vespo/phi_seq_mean", "VESPO's sequence weight `φ(w_i)`, over sequences", "trl_vespo"),
+]
+
+
 def _loss(name: str, meaning: str, emitted: str | None) -> MetricSpec:
     # Each micro-batch's loss is already divided by the step's global denominator: the sum over micro-batches and
     # ranks is the step's loss.
@@ -160,6 +244,7 @@ _SPECS = [
         "full-vocabulary entropy of the policy (hidden-state path)",
         per=ENTROPY_TOKENS,
         emitted="entropy",
+        trl="entropy",
     ),
     _tp("entropy_tokens", SUM, None, "tokens with an entropy", per=None, counts="valid tokens", emitted="entropy"),
     _tp(
@@ -263,6 +348,8 @@ _SPECS = [
     _is("seq_weight_min", MIN, "rollout_is/seq_min", "smallest `s_i`", _S),
     _is("seq_max_deviation", MAX, "rollout_is/seq_max_deviation", "largest `abs(s_i − 1)`", _S),
     _is("kept_mass_min", MIN, "mismatch/kept_mass_min", "smallest kept probability mass", _V),
+    # ---- trl/*: accumulators of TRL's own metric names, per micro-batch (see `trl_micro_batch_metrics`) ----
+    *TRL_SPECS,
 ]
 METRICS: dict[str, MetricSpec] = {spec.key: spec for spec in _SPECS}
 """Every accumulated key of the loss layer (and any added with `register_metric`), in declaration order."""
@@ -419,14 +506,88 @@ def finalize_train_policy_metrics(
         `train_policy/*` means (0.0 if the count is 0) and extrema (0.0 when there is no valid token), `loss/*`
         global sums, the `mismatch/*` and `rollout_is/*` metrics of rollout IS, and what registered finalizers derive.
     """
-    if VALID_TOKENS not in extra_info:
-        return extra_info
-    out = {k: v for k, v in extra_info.items() if k not in METRICS}
-    reduced = reduce_metrics(extra_info, device, group)
+    return finalize_step_metrics([extra_info], device, group)[0]
+
+
+def reduce_micro_batches(
+    micro_batches: list[Mapping[str, Any]],
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[dict[str, float]]:
+    """`reduce_metrics` of each micro-batch of a step, in one all-reduce per reduction kind for all of them.
+
+    Every rank must hold as many micro-batches, and the same declared keys (their union over the micro-batches, a
+    key missing from one counting as its neutral value there).
+    """
+    present = [spec for key, spec in METRICS.items() if any(key in mb for mb in micro_batches)]
+    reduced: list[dict[str, float]] = [{} for _ in micro_batches]
+    for kind in Reduction:
+        keys = [spec.key for spec in present if spec.reduction is kind]
+        if not keys:
+            continue
+        rows = [[float(mb.get(key, _IDENTITY[kind])) for key in keys] for mb in micro_batches]
+        packed = torch.tensor(rows, dtype=torch.float64, device=device)  # (micro-batches, keys)
+        all_reduce(packed, _OPS[kind], group)
+        for out, row in zip(reduced, packed.tolist()):
+            out.update(zip(keys, row))
+    return reduced
+
+
+def trl_micro_batch_metrics(reduced: Mapping[str, float]) -> dict[str, float]:
+    """TRL's metric keys of one micro-batch from its reduced accumulators (the specs with `trl` set).
+
+    As TRL's `global_masked_mean`, a mean over no unit is ``0.0``; an extremum over no sequence is left out (TRL's
+    `nanmin`/`nanmax` give NaN there, which its `log` drops).
+    """
+    out: dict[str, float] = {}
+    for key, value in reduced.items():
+        spec = METRICS.get(key)
+        if spec is None or spec.trl is None:
+            continue
+        count = reduced.get(spec.per, 0.0) if spec.per is not None else None
+        if count is None:
+            out[spec.trl] = value
+        elif spec.reduction is Reduction.SUM:
+            out[spec.trl] = value / count if count > 0 else 0.0
+        elif count > 0 and math.isfinite(value):  # a neutral ±inf: no rank had a sequence with a valid token
+            out[spec.trl] = value
+    return out
+
+
+def finalize_step_metrics(
+    micro_batches: list[Mapping[str, Any]],
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """The logged metrics of an optimizer step, and TRL's keys of each of its micro-batches.
+
+    Collective when distributed (one all-reduce per reduction kind, see `reduce_micro_batches`).
+
+    Args:
+        micro_batches (`list[dict]`): this rank's metrics of each micro-batch of the step (as the contexts emit them).
+        device (`torch.device` or `str`, *optional*): device of the all-reduce buffers (the backend's device).
+        group (`ProcessGroup`, *optional*): the processes to reduce over; defaults to the whole world.
+
+    Returns:
+        `(dict, list[dict])`: what `finalize_train_policy_metrics` gives for the whole step (undeclared keys summed
+        over the micro-batches, unreduced), and `trl_micro_batch_metrics` of each micro-batch. Without
+        `train_policy/valid_tokens`, the micro-batches merged, unreduced, and no TRL keys.
+    """
+    step: dict[str, Any] = {}
+    for mb in micro_batches:
+        accumulate_metrics(step, mb)
+    if VALID_TOKENS not in step:
+        return step, []
+    out = {k: v for k, v in step.items() if k not in METRICS}
+    per_micro_batch = reduce_micro_batches(micro_batches, device, group)
+    reduced: dict[str, Any] = {}
+    for mb in per_micro_batch:  # the step's reduced values: the micro-batches' merged (sums, extrema)
+        accumulate_metrics(reduced, mb)
+    reduced = {key: float(value) for key, value in reduced.items()}
     out.update(finalize_reduced(reduced))
     for finalizer in _FINALIZERS:
         out.update(finalizer(reduced))
-    return out
+    return out, [trl_micro_batch_metrics(mb) for mb in per_micro_batch]
 
 
 def metrics_table() -> str:
@@ -444,4 +605,15 @@ def metrics_table() -> str:
             how = f"{scale}{what} over {METRICS[spec.per].counts}{offset}"
         rows.append(f"| `{spec.logged_as}` | {how} | {spec.meaning} |")
     rows += [f"| `{d.key}` | {d.computed_as} | {d.meaning} |" for d in DERIVED.values()]
+    return "\n".join(rows) + "\n"
+
+
+def trl_metrics_table() -> str:
+    """The Markdown table of the TRL metric keys the loss layer logs: what they are and how they differ from TRL's
+    (the one in `docs/metrics.md`, kept equal by `tests/test_trl_metric_names.py`)."""
+    rows = ["| TRL key | from | meaning | vs TRL |", "|---|---|---|---|"]
+    for spec in METRICS.values():
+        if spec.trl is not None:
+            how = f"`{spec.key}`" + (f" / `{spec.per}`" if spec.per and spec.reduction is Reduction.SUM else "")
+            rows.append(f"| `{spec.trl}` | {how} | {spec.meaning} | {spec.trl_note or 'same'} |")
     return "\n".join(rows) + "\n"

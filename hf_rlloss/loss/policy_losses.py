@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .metrics import TRL_FAMILIES
+
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 PolicyLossFn = Callable[..., LossOutput]
 
@@ -51,6 +53,11 @@ class PolicyLossSpec:
             IS weight is one per sequence: the geometric mean ``exp(mean_t log w_t)`` of the token weights over the
             sequence's valid tokens (verl's definition), folded by ``build_batches``. Sequence- and geometric-level
             weights are constant over a sequence, so they are unchanged.
+        trl_metrics (`str`, *optional*): the TRL `loss_type` whose loss-specific metrics this loss logs under TRL's
+            names (see `hf_rlloss.loss.metrics.TRL_FAMILIES`): `"clip"` (`clip_ratio/*`), `"cispo"`
+            (`cispo_clip_ratio`) or `"vespo"` (`vespo/phi_seq_mean`); `None` for a loss TRL does not have.
+        trl_sequence_level (`bool`, defaults to `False`): TRL's `importance_sampling_level="sequence"` form, whose
+            metrics TRL averages over sequences instead of tokens.
     """
 
     fn: PolicyLossFn
@@ -60,6 +67,8 @@ class PolicyLossSpec:
     sequence_reduction: str = "mean"
     absorbs_rollout_is: bool = False
     rollout_is_per_sequence: bool = False
+    trl_metrics: str | None = None
+    trl_sequence_level: bool = False
 
 
 _REGISTRY: dict[str, PolicyLossSpec] = {}
@@ -74,12 +83,16 @@ def register_policy_loss(
     sequence_reduction: str = "mean",
     absorbs_rollout_is: bool = False,
     rollout_is_per_sequence: bool = False,
+    trl_metrics: str | None = None,
+    trl_sequence_level: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` (see :class:`PolicyLossSpec` for the arguments)."""
     if default_agg_mode not in AGG_MODES:
         raise ValueError(f"default_agg_mode={default_agg_mode!r}; allowed: {', '.join(AGG_MODES)}")
     if sequence_reduction not in ("mean", "sum"):
         raise ValueError(f"sequence_reduction={sequence_reduction!r}; allowed: mean, sum")
+    if trl_metrics is not None and trl_metrics not in TRL_FAMILIES:
+        raise ValueError(f"trl_metrics={trl_metrics!r}; allowed: None, {', '.join(TRL_FAMILIES)}")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         _REGISTRY[name] = PolicyLossSpec(
@@ -90,6 +103,8 @@ def register_policy_loss(
             sequence_reduction,
             absorbs_rollout_is,
             rollout_is_per_sequence,
+            trl_metrics,
+            trl_sequence_level,
         )
         return fn
 
@@ -137,7 +152,7 @@ def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> LossOutput:
     return torch.maximum(unclipped, clipped), indicators
 
 
-@register_policy_loss("vanilla", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2})
+@register_policy_loss("vanilla", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2}, trl_metrics="clip")
 def vanilla_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """Dual-clip PPO (Ye et al. 2019, https://arxiv.org/abs/1912.09729) with asymmetric clip ranges (DAPO).
 
@@ -166,6 +181,8 @@ def _gspo_statistic(logprobs, old_logprobs, advantages, cfg) -> torch.Tensor:
     sequence_statistic=_gspo_statistic,
     default_agg_mode="seq-mean-token-mean",
     defaults={"cliprange_low": 3e-4, "cliprange_high": 4e-4},
+    trl_metrics="clip",
+    trl_sequence_level=True,
 )
 def gspo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """GSPO (Zheng et al. 2025, https://arxiv.org/abs/2507.18071) in its token form, as verl.
@@ -179,7 +196,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOut
     return _ppo_clip(log_seq_ratio.exp(), advantages, cfg)
 
 
-@register_policy_loss("cispo", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2})
+@register_policy_loss("cispo", defaults={"cliprange_low": 0.2, "cliprange_high": 0.2}, trl_metrics="cispo")
 def cispo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585): ``ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ``.
 
@@ -203,6 +220,8 @@ def _cispo(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor
     "cispo_seq",
     sequence_statistic=_gspo_statistic,
     defaults={"cliprange_low": 0.2, "cliprange_high": 0.2},
+    trl_metrics="cispo",
+    trl_sequence_level=True,
 )
 def cispo_seq_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """Sequence-level CISPO (TRL's ``loss_type="cispo"`` with ``importance_sampling_level="sequence"``).
@@ -261,7 +280,14 @@ def _vespo_statistic(logprobs, old_logprobs, advantages, cfg, rollout_is_weights
     return stat
 
 
-@register_policy_loss("vespo", sequence_statistic=_vespo_statistic, sequence_reduction="sum", absorbs_rollout_is=True)
+@register_policy_loss(
+    "vespo",
+    sequence_statistic=_vespo_statistic,
+    sequence_reduction="sum",
+    absorbs_rollout_is=True,
+    trl_metrics="vespo",
+    trl_sequence_level=True,
+)
 def vespo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOutput:
     """VESPO (https://huggingface.co/papers/2602.10693) as TRL's ``vespo``: ``ℓ_t = −sg(φ(w_i))·A·log π_θ(o_t)``.
 
@@ -275,7 +301,7 @@ def vespo_loss(logprobs, old_logprobs, advantages, cfg, seq_mean=None) -> LossOu
     k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(log_w.dtype)
     lam = torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).to(log_w.dtype)
     phi = (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
-    return -phi * advantages * logprobs, {}
+    return -phi * advantages * logprobs, {"phi": phi}
 
 
 def _gmpo_clipped_log_ratio(logprobs, old_logprobs, advantages, cfg) -> torch.Tensor:

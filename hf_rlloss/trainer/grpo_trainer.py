@@ -32,10 +32,10 @@ from trl.trainer.utils import (
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.fields import FROM_TRL
-from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..loss.metrics import finalize_step_metrics
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
-from ..recipe_support.hub import complete_model_card
+from ..recipe_support.hub import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
 from .checkpoints import CompleteCheckpoints
 from .engines import (
     activation_checkpointing_disabled,
@@ -258,7 +258,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         self._rl_pending: deque[BaseRLLossContext] = deque()
         self._rl_step_remaining = 0  # micro-batches of the current optimizer step without a context yet
         self._rl_step_size = 0
-        self._rl_step_metrics: dict[str, Any] = {}
+        self._rl_step_metrics: list[dict[str, Any]] = []  # the metrics of each micro-batch of the step so far
         self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
         self._recorded_kept_logmass: list[list[torch.Tensor]] = []
         self._stashed_kept_logmass: torch.Tensor | None = None
@@ -477,13 +477,13 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         else:
             loss, metrics = self._call_through_wrapper(model, self._loss_forward, inputs, ctx)
         if mode == "train":
-            self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
+            self._rl_step_metrics.append(metrics)
             if inputs.get("rl_loss_last_micro_batch", True):
                 self._log_rl_metrics("train", self._rl_step_metrics)
-                self._rl_step_metrics = {}
+                self._rl_step_metrics = []
                 self._end_of_step_entropy_control()
         else:
-            self._log_rl_metrics("eval", metrics)
+            self._log_rl_metrics("eval", [metrics])
         if self.accelerator.distributed_type != "DEEPSPEED":
             loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
         return loss
@@ -520,8 +520,13 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         dataset_name: str | None = None,
         tags: str | list[str] | None = None,
         base_model: str | None = None,
+        example_prompt: str | None = None,
     ) -> None:
         """TRL override: TRL's model card, completed for the Hub by `hf_rlloss.recipe_support.hub.complete_model_card`.
+
+        Its quick start loads the Hub repository when there is one (`hub_model_id`, `push_to_hub`), else the output
+        folder relative to the working directory, and asks one of the training prompts; its front matter has the base
+        model's license when its card can be read offline.
 
         Args:
             model_name (`str`, *optional*, defaults to the name of `output_dir`):
@@ -533,14 +538,24 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             base_model (`str`, *optional*):
                 The model trained from: its `base_model` metadata when it is a Hub id, else named in the text.
                 Defaults to TRL's choice (the policy's `config._name_or_path` unless it is a local folder).
+            example_prompt (`str`, *optional*, defaults to the first training prompt):
+                The quick start's question.
         """
         if not self.is_world_process_zero():
             return
         model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         path = os.path.join(self.args.output_dir, "README.md")
-        local_path = None if self.hub_model_id else os.path.abspath(self.args.output_dir)
-        card = complete_model_card(ModelCard.load(path), self.rl_loss_config.to_dict(), base_model, local_path)
+        local_path = None if self.hub_model_id else quick_start_folder(self.args.output_dir)
+        source = getattr(self.model.config, "_name_or_path", None)
+        card = complete_model_card(
+            ModelCard.load(path),
+            self.rl_loss_config.to_dict(),
+            base_model,
+            local_path,
+            example_prompt or dataset_example_prompt(self.train_dataset),
+            base_model_license(source) or base_model_license(base_model),
+        )
         card.save(path)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -600,7 +615,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         `k / n` of the step's micro-batches (`step_fraction`; see docs/design.md)."""
         if self._rl_step_remaining == 0:  # the first micro-batch of an optimizer step
             self._rl_step_size = self._rl_step_remaining = self.current_gradient_accumulation_steps
-            self._rl_step_metrics = {}
+            self._rl_step_metrics = []
         spg = self.args.steps_per_generation
         generate_every = spg * self.num_iterations
         # TRL's `_prepare_inputs` has already handed out (and `_step` not yet counted) the current micro-batch
@@ -630,10 +645,16 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         if self._entropy_bonus_enabled:
             self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
-    def _log_rl_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
-        """Reduce the metrics of a step across ranks (collective) and append them to TRL's metric lists."""
-        for key, value in finalize_train_policy_metrics(metrics, device=self.accelerator.device).items():
+    def _log_rl_metrics(self, mode: str, micro_batches: list[dict[str, Any]]) -> None:
+        """Reduce the metrics of a step's micro-batches across ranks (collective) and append them to TRL's metric
+        lists: ours once per step, TRL's keys (`kl`, `entropy`, `clip_ratio/*`, `policy_loss`, ...) once per
+        micro-batch, as TRL appends them (its `log` averages each list over the logging window)."""
+        step, trl_per_micro_batch = finalize_step_metrics(micro_batches, device=self.accelerator.device)
+        for key, value in step.items():
             self._metrics[mode][key].append(float(value))
+        for trl_metrics in trl_per_micro_batch:
+            for key, value in trl_metrics.items():
+                self._metrics[mode][key].append(float(value))
 
     # ------------------------------------------------------------------------------------------------------------
     # Old log-probs and the recorded rollout
