@@ -121,8 +121,8 @@ def tree_attention_forward(
     loaded with it consumes the `tree_*` fields of `TreeRow.pack` (TRL's async trainer passes them to the forward).
 
     Raises:
-        `ValueError`: for a batch of more than one packed row, or attention dropout during training (the packed
-        forwards run with dropout disabled, as TRL's trainers do).
+        ValueError: for a batch of more than one packed row, or attention dropout during training (the packed
+            forwards run with dropout disabled, as TRL's trainers do).
     """
     if query.shape[0] != 1:
         raise ValueError(f"tree attention takes one packed row, got a batch of {query.shape[0]}")
