@@ -167,6 +167,27 @@ def test_packed_hidden_states_equal_the_padded_ones_and_a_broken_layout_is_caugh
         assert not torch.allclose(_packed_hidden(model, layout, kwargs)[mask], padded, atol=1e-4)
 
 
+def test_attention_sinks_and_sliding_windows_are_packed_exactly():
+    """GPT-OSS (attention sinks: one extra logit per head in every softmax; sliding-window layers of 4 tokens, shorter
+    than the sequences; eager attention as its native one): the packed hidden states equal the padded ones."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = GptOssForCausalLM(config).float()
+    torch.nn.init.normal_(model.model.layers[0].self_attn.sinks, std=1.0)  # sinks that matter
+    batch = _batch()
+    mask = batch[3].bool()
+    padded = _padded_hidden(model, *batch)[mask]
+    assert config._attn_implementation == "eager" and use_packed_attention(model) == "tree_or_eager"
+    for build in (pack_shared_prefix, pack_padding_free):
+        torch.testing.assert_close(_packed_hidden(model, build(*batch))[mask], padded, rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The same update in every mode
 
