@@ -105,6 +105,12 @@ def test_rows_without_completion_tokens_are_not_forwarded():
         build_layout("tree", *_batch())
 
 
+def test_the_packing_option_is_validated(tmp_path):
+    assert RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).packing == "shared_prefix"
+    with pytest.raises(ValueError, match="packing='tree'; expected one of 'shared_prefix', 'padding_free', 'off'"):
+        RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, packing="tree")
+
+
 def _padded_hidden(model, prompts, prompt_mask, completions, completion_mask):
     """`(B, C, H)`: the hidden states predicting each completion token, from the padded batch (the trainer's `off`)."""
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -251,6 +257,7 @@ def assert_same_update(tok, tmp_path, modes=MODES, **options):
     assert moved > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
 
 
+@pytest.mark.slow  # 3 trainings
 def test_every_mode_gives_the_same_update_grpo_with_kl_and_checkpointing(tok, tmp_path):
     """TRL's default loss (`grpo`: seq-mean-token-mean), the KL to a reference (no-grad reference pass), the second
     step off-policy (`num_iterations=2`: the no-grad old log-prob pass), activation checkpointing (the backward
@@ -259,6 +266,7 @@ def test_every_mode_gives_the_same_update_grpo_with_kl_and_checkpointing(tok, tm
     assert_same_update(tok, tmp_path, rl_loss=rl_loss, activation_checkpointing=True)
 
 
+@pytest.mark.slow  # 5 trainings
 def test_every_mode_gives_the_same_update_with_rollout_is_entropy_and_opsm(tok, tmp_path):
     """token-mean, rollout IS on the engine's log-probs (truncated token weights), the entropy bonus with
     `top_entropy_quantile`, the off-policy sequence mask; and the evaluation loss."""
