@@ -276,7 +276,9 @@ def assert_same_update(tok, tmp_path, modes=MODES, **options):
         other_logs, other_params, other_metrics = runs[mode]
         assert len(other_logs) == len(logs) > 0
         for a, b in zip(logs, other_logs):
-            assert abs(a["loss/total"] - b["loss/total"]) < TOLERANCE, (mode, a["loss/total"], b["loss/total"])
+            # 1e-6, relative above 1 (a float32 loss of 11.7, seq-mean-token-sum, has an ulp of 9.5e-7)
+            scale = max(1.0, abs(a["loss/total"]))
+            assert abs(a["loss/total"] - b["loss/total"]) < TOLERANCE * scale, (mode, a["loss/total"], b["loss/total"])
             assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
             assert a["packing/padded_tokens"] == b["packing/padded_tokens"]
             assert b["packing/ratio"] == b["packing/padded_tokens"] / b["packing/forwarded_tokens"]
