@@ -8,10 +8,9 @@ import queue
 
 import numpy as np
 import torch
+from _trainer_utils import SPECIALS, make_model, make_tokenizer
 from datasets import Dataset
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-from tests._trainer_utils import SPECIALS, make_model, make_tokenizer
 
 ASYNC_ARGS = dict(
     use_cpu=True,

@@ -102,9 +102,7 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         default="auto",
         metadata={"help": "Attention of the packed rows: 'auto', 'fa3' (TRL's CUDA kernel) or 'sdpa' (any device)."},
     )
-    cast_lm_head_to_fp32: bool = field(
-        default=False, metadata={"help": "Run the chunked LM head in float32."}
-    )
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Run the chunked LM head in float32."})
 
     def __post_init__(self):
         if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
@@ -113,7 +111,8 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
                 "behind the trainer; 0 trains only on samples of the current policy)"
             )
         if self.tree_attention not in TREE_ATTENTION_BACKENDS:
-            raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {', '.join(TREE_ATTENTION_BACKENDS)}")
+            allowed = ", ".join(TREE_ATTENTION_BACKENDS)
+            raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {allowed}")
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
         super().__post_init__()

@@ -71,7 +71,10 @@ def tree_attention_name(backend: str, device_type: str) -> str:
         backend = "fa3" if device_type == "cuda" and has_kernels else "sdpa"
     if backend == "fa3":
         if device_type != "cuda":
-            raise ValueError(f"tree_attention='fa3' needs CUDA (TRL's FlashAttention-3 kernel); the device is {device_type}: use 'sdpa'")
+            raise ValueError(
+                f"tree_attention='fa3' needs CUDA (TRL's FlashAttention-3 kernel); the device is {device_type}: use "
+                "'sdpa'"
+            )
         return TREE_ATTENTION
     return register_tree_attention()
 

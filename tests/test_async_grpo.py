@@ -1,0 +1,203 @@
+"""`RLLossAsyncGRPOTrainer` (issue 22): TRL's async GRPO trainer with the loss layer's loss.
+
+* configured as TRL (vanilla, token clip, no KL, `behavior_as_old_policy`) it makes stock `AsyncGRPOTrainer`'s update
+  on the same injected rollout samples;
+* at `max_staleness=0`, fed the completions `RLLossGRPOTrainer` generated, it makes the synchronous trainer's update
+  (decoupled objective, rollout IS and KL to the reference included);
+* bad input gets a clear error naming the option.
+
+SGD without gradient clipping (as in test_trl_parity.py): round-off is not amplified, a wrong scale is not hidden.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _async import (
+    ASYNC_ARGS,
+    FixedRolloutWorker,
+    NoWeightTransfer,
+    fixed_samples,
+    prompts_dataset,
+    save_tiny_policy,
+)
+from _trainer_utils import (
+    BASE_ARGS,
+    FixedWithLogprobs,
+    make_dataset,
+    make_tokenizer,
+    reward_digit,
+    reward_length,
+    trainable_snapshot,
+)
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer, RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer.async_grpo_trainer import portable_async_trl
+
+torch.set_num_threads(1)
+
+TOLERANCE = 1e-6
+SGD = dict(optim="sgd", learning_rate=0.05, max_grad_norm=0.0, max_steps=3, lr_scheduler_type="constant")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
+
+
+def _train_async(trainer_cls, args, policy, tok, samples):
+    with portable_async_trl():
+        trainer = trainer_cls(
+            policy, [], args, prompts_dataset(), tok,
+            rollout_worker=FixedRolloutWorker(samples), weight_transfer=NoWeightTransfer(),
+        )  # fmt: skip
+    before = trainable_snapshot(trainer.model)
+    trainer.train()
+    return trainer, before, trainable_snapshot(trainer.model)
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_configured_as_trl_equals_stock_async_trainer(policy, tok, tmp_path):
+    """TRL's loss mapped (epsilon, epsilon_high → vanilla, no dual clip, token-mean) with TRL's π_old (the sampler's
+    log-probs): the same parameters as stock AsyncGRPOTrainer after 3 steps on the same packed rows."""
+    samples = fixed_samples(4)  # 3 steps of one group each, and one more the dataloader prefetches
+    options = {**ASYNC_ARGS, **SGD, "epsilon_high": 0.28}
+    stock = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"), **options)
+    ours = RLLossAsyncGRPOConfig(output_dir=str(tmp_path / "ours"), behavior_as_old_policy=True, **options)
+    _, before, stock_after = _train_async(AsyncGRPOTrainer, stock, policy, tok, samples)
+    trainer, our_before, our_after = _train_async(RLLossAsyncGRPOTrainer, ours, policy, tok, samples)
+    assert _max_diff(before, our_before) == 0.0
+    assert _max_diff(stock_after, before) > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
+    assert _max_diff(stock_after, our_after) < TOLERANCE
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == 3
+    for log in logs:  # clipping happened, and the trainer's loss is the loss layer's
+        assert abs(log["loss"] - log["loss/total"]) < 1e-6
+        assert log["async/version_lag_max"] >= log["async/version_lag_mean"] >= 1.0
+        assert log["async/dropped_stale_frac"] == 0.0
+    assert any(log["train_policy/clip_frac_high"] > 0 for log in logs)
+
+
+class _RecordGenerations:
+    """Wraps `RLLossGRPOTrainer._generate_and_score_completions` and keeps each generation batch it returns."""
+
+    def __init__(self, trainer):
+        self.inner = trainer._generate_and_score_completions
+        self.batches = []
+
+    def __call__(self, *args, **kwargs):
+        batch = self.inner(*args, **kwargs)
+        self.batches.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()})
+        return batch
+
+
+def _as_rollout_samples(batches, version_of_step) -> list[RolloutSample]:
+    """The synchronous trainer's generation batches as TRL rollout samples: prompt (unpadded) + completion, the
+    sampler's log-probs on the completion tokens, the trainer's advantages; one group per generation batch."""
+    samples = []
+    for step, batch in enumerate(batches):
+        for i in range(batch["prompt_ids"].shape[0]):
+            prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+            keep = batch["completion_mask"][i].bool()
+            completion = batch["completion_ids"][i][keep].tolist()
+            logps = batch["sampling_per_token_logps"][i][keep].tolist()
+            samples.append(
+                RolloutSample(
+                    prompt=[], completion=[], input_ids=np.asarray(prompt + completion),
+                    completion_mask=np.asarray([0] * len(prompt) + [1] * len(completion)),
+                    old_log_probs=np.asarray([0.0] * len(prompt) + logps, dtype=np.float32),
+                    advantage=float(batch["advantages"][i]), model_version=version_of_step(step), group_id=step,
+                    metrics={"reward": 0.0},
+                )
+            )  # fmt: skip
+    return samples
+
+
+def test_staleness_zero_equals_synchronous_trainer(policy, tok, tmp_path):
+    """max_staleness=0 and the synchronous trainer's own completions: the decoupled objective (π_old from the no-grad
+    pass, which on-policy equals the current policy), rollout IS against the sampler's log-probs and the KL to the
+    reference give RLLossGRPOTrainer's parameters after 3 steps."""
+    rl_loss = {
+        "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
+        "loss_agg_mode": "token-mean",
+        "use_kl_loss": True,
+        "kl_loss_type": "k3",
+        "kl_loss_coef": 0.05,
+        "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.02},
+    }
+    sync_options = {**BASE_ARGS, **SGD, "scale_rewards": "none", "gradient_accumulation_steps": 1}
+    sync_args = RLLossGRPOConfig(output_dir=str(tmp_path / "sync"), rl_loss=rl_loss, **sync_options)
+    sync = RLLossGRPOTrainer(policy, [reward_length, reward_digit], args=sync_args, train_dataset=make_dataset(),
+                             processing_class=tok)  # fmt: skip
+    sync._generate_single_turn = FixedWithLogprobs(tok, sync.max_completion_length)
+    recorder = sync._generate_and_score_completions = _RecordGenerations(sync)
+    before = trainable_snapshot(sync.model)
+    sync.train()
+    sync_after = trainable_snapshot(sync.model)
+    assert len(recorder.batches) == 3 and all(b["prompt_ids"].shape[0] == 4 for b in recorder.batches)
+
+    # TRL's staleness filter runs when a sample is pulled, and the dataloader pulls the next step's micro-batch ahead:
+    # step k's samples are pulled under version max(k, 1) (the cold sync makes the first version 1), so tagged with
+    # it they are fresh and pass max_staleness=0.
+    samples = _as_rollout_samples(recorder.batches + recorder.batches[-1:], version_of_step=lambda step: max(step, 1))
+    options = {**ASYNC_ARGS, **SGD, "max_staleness": 0}
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path / "async"), rl_loss=rl_loss, **options)
+    trainer, our_before, our_after = _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
+    assert _max_diff(before, our_before) == 0.0
+    assert _max_diff(sync_after, before) > 1e-3
+    assert _max_diff(sync_after, our_after) < TOLERANCE
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert all(log["async/version_lag_max"] == 0.0 for log in logs)
+    assert any(log["rollout_is/fraction_high"] > 0 for log in logs)  # the IS truncation acted
+    assert any(log["loss/kl"] != 0.0 for log in logs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_negative_max_staleness_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness=-1 must be an integer >= 0"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=-1)
+
+
+def test_rollout_is_with_behavior_as_old_policy_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="rl_loss.rollout_is with behavior_as_old_policy=True"):
+        RLLossAsyncGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, behavior_as_old_policy=True, rl_loss={"rollout_is": {"upper": 2}}
+        )
+
+
+def test_epsilon_conflicting_with_rl_loss_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"epsilon=0.1 conflicts with rl_loss \(rl_loss.policy_loss_cfg.cliprange_lo"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=0.1, rl_loss={})
+
+
+def test_invalid_rl_loss_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="rl_loss.policy_loss_cfg.cliprange_low"):
+        RLLossAsyncGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, rl_loss={"policy_loss_cfg": {"cliprange_low": 1.5}}
+        )
+
+
+def test_rollout_is_without_behaviour_logprobs_is_refused(policy, tok, tmp_path):
+    """A sampler that reports no log-probs (NaN) cannot be corrected: the first step says so, naming the option."""
+    samples = fixed_samples(2)
+    for sample in samples:
+        sample.old_log_probs[:] = np.nan
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss={"rollout_is": {"upper": 2.0}}, max_steps=1,
+                                 **ASYNC_ARGS)  # fmt: skip
+    with pytest.raises(ValueError, match="rl_loss.rollout_is needs the sampler's log-probs"):
+        _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
