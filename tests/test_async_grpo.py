@@ -11,6 +11,9 @@ SGD without gradient clipping (as in test_trl_parity.py): round-off is not ampli
 
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -201,3 +204,103 @@ def test_rollout_is_without_behaviour_logprobs_is_refused(policy, tok, tmp_path)
                                  **ASYNC_ARGS)  # fmt: skip
     with pytest.raises(ValueError, match="rl_loss.rollout_is needs the sampler's log-probs"):
         _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# On CPU end to end: HF generate in its own process, weights through a shared-memory queue
+
+
+@pytest.mark.slow  # a spawned process imports torch/transformers/trl (10-30 s on 2 shared cores)
+def test_cpu_worker_and_queue_transfer_train(policy, tok, tmp_path):
+    """Two optimizer steps with the rollout process: samples tagged with the version they were sampled from, the
+    recorded log-probs equal the trainer's π_old at version lag 0 (the mismatch is round-off), the weights reach the
+    worker (its later samples come from later versions)."""
+    from _trainer_utils import make_dataset, reward_digit, reward_length
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+
+    args = RLLossAsyncGRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, queue_maxsize=4, heartbeat_stale_after_s=120,
+        rl_loss={"rollout_is": {"level": "token", "upper": 2.0}, "use_kl_loss": True, "kl_loss_type": "k3"},
+        **{**ASYNC_ARGS, "max_staleness": 1},
+    )  # fmt: skip
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [reward_length, reward_digit], tok, args)
+    trainer = RLLossAsyncGRPOTrainer(policy, [reward_length, reward_digit], args, make_dataset(), tok,
+                                     rollout_worker=worker, weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == 2
+    first = logs[0]
+    assert first["async/version_lag_max"] == 0.0
+    assert first["mismatch/mismatch_logprob_abs_diff"] < 1e-5  # same weights: recorder == trainer's π_old
+    assert all(math.isfinite(log["loss/total"]) and log["async/version_lag_max"] <= 1.0 for log in logs)
+    assert worker._process is None  # stopped at the end of training
+
+
+def _exits_at_once(worker):
+    """Replace the worker's process by one that exits with code 3 as soon as it starts."""
+    import os
+
+    worker._process = worker._ctx.Process(target=os._exit, args=(3,), daemon=True)
+    worker._process.start()
+    worker._ready.set()
+    worker._process.join(timeout=30)
+
+
+def test_dead_or_stalled_worker_is_reported(policy, tok, tmp_path):
+    from _trainer_utils import make_dataset
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
+    worker._heartbeat.value = time.time() - 100
+    with pytest.raises(RuntimeError, match="no progress for 100s > heartbeat_stale_after_s=50s"):
+        worker.check_health(50.0)
+    worker._errors.put("Traceback: ValueError: boom")
+    worker._failed.set()
+    with pytest.raises(RuntimeError, match="the rollout process failed") as info:
+        worker.check_health(1e9)
+    assert "boom" in str(info.value.__cause__)
+    worker._failed.clear()
+    _exits_at_once(worker)
+    with pytest.raises(RuntimeError, match=r"the rollout process exited \(exit code 3\)"):
+        worker.check_health(1e9)
+
+
+def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
+    """TRL's queue polls every 5 s and then asks the worker's health: the trainer raises instead of waiting."""
+    from _trainer_utils import make_dataset
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
+    worker.start = lambda: _exits_at_once(worker)
+    trainer = RLLossAsyncGRPOTrainer(policy, [], args, make_dataset(), tok, rollout_worker=worker,
+                                     weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
+    start = time.time()
+    with pytest.raises(RuntimeError, match="the rollout process exited"):
+        trainer.train()
+    assert time.time() - start < 60
+
+
+@pytest.mark.parametrize(
+    "option, value", [("vllm_server_base_url", "http://gpu:8000"), ("max_tool_calling_iterations", 3)]
+)
+def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option, value):
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{option: value})
+    with pytest.raises(ValueError, match=f"{option}=.* configures TRL's vLLM rollout worker"):
+        HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
+
+
+def test_rollout_is_with_a_worker_recording_no_logprobs_is_refused(policy, tok, tmp_path):
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss={"rollout_is": {"upper": 2.0}}, **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, record_logprobs=False)
+    with pytest.raises(ValueError, match="records_logprobs is False"):
+        RLLossAsyncGRPOTrainer(policy, [], args, prompts_dataset(), tok, rollout_worker=worker,
+                               weight_transfer=NoWeightTransfer())  # fmt: skip
