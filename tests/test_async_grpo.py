@@ -34,6 +34,7 @@ from _trainer_utils import (
     reward_length,
     trainable_snapshot,
 )
+from transformers import AutoModelForCausalLM
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
@@ -304,3 +305,25 @@ def test_rollout_is_with_a_worker_recording_no_logprobs_is_refused(policy, tok, 
     with pytest.raises(ValueError, match="records_logprobs is False"):
         RLLossAsyncGRPOTrainer(policy, [], args, prompts_dataset(), tok, rollout_worker=worker,
                                weight_transfer=NoWeightTransfer())  # fmt: skip
+
+
+@pytest.mark.slow  # two launched gloo processes
+def test_two_trainer_processes_on_gloo_equal_one(policy, tmp_path):
+    """TRL's async trainer runs data-parallel on CPU (rank 0 pulls the queue and the dispatcher sends each rank its
+    packed row); the loss layer's step normalization over both ranks gives one process's update on the same
+    samples (8 per step: one row of 8 in one process, a row of 4 on each of two)."""
+    from _launch import run, torchrun
+    from dist_async_script import train
+
+    out = tmp_path / "two.pt"
+    result = run([*torchrun(2), "tests/dist_async_script.py", policy, str(out), "4"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(out)
+    assert two["world"] == 2 and len(two["logs"]) == 3
+    _, one, one_logs = train(policy, str(tmp_path / "one"), 8)
+    start = {k: p for k, p in AutoModelForCausalLM.from_pretrained(policy).named_parameters() if k in one}
+    assert _max_diff(one, start) > 1e-3
+    assert _max_diff(one, two["params"]) < TOLERANCE
+    for a, b in zip(one_logs, two["logs"]):
+        assert abs(a["loss/total"] - b["loss/total"]) < 1e-6
+        assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
