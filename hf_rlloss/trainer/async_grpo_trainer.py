@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,7 +128,10 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
     }
     tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
     # TRL's collator does not send the samples of a row; the versioned collator below does (an empty one has none)
-    samples = int(inputs["num_samples"][0]) if "num_samples" in inputs else int(segment_id.max()) + 1
+    if "num_samples" in inputs:
+        samples = int(inputs["num_samples"][0])
+    else:
+        samples = int(segment_id.max()) + 1 if segment_id.numel() else 0
     return PackedRow(
         input_ids=inputs["input_ids"][mask].unsqueeze(0),
         position_ids=inputs["position_ids"][mask].unsqueeze(0),
@@ -396,7 +400,9 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         if not self._rl_pending:
             raise RuntimeError("compute_loss without a prepared loss context: get_batch_samples builds them per step")
         ctx = self._rl_pending.popleft()
+        start = time.perf_counter()
         loss, metrics = self._call_through_wrapper(model, self._packed_loss, ctx)
+        self._step_forward_s += time.perf_counter() - start  # TRL's perf/fwd_s
         self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
         if not self._rl_pending:  # the step's last micro-batch: reduce its metrics over the ranks
             for key, value in finalize_train_policy_metrics(self._rl_step_metrics, device=loss.device).items():
