@@ -1,7 +1,8 @@
 """Staleness × rollout IS on the async arithmetic demo: reward and mismatch per step (issue 22).
 
-    python benchmarks/async_staleness.py run --lags 0 4 --steps 12     # one recipe run per (lag, IS on/off)
-    python benchmarks/async_staleness.py report                         # table (Markdown) and plot
+    python benchmarks/async_staleness.py run --lags 0 2 4 --steps 40    # one recipe run per (lag, IS on/off)
+    python benchmarks/async_staleness.py report                          # table (Markdown) and plot
+    python benchmarks/async_staleness.py run --tag short --steps 8 -- --learning_rate 2e-5   # recipe flags after --
 
 Staleness is forced with the CPU worker's `weight_lag`: it applies the trainer's weights `k` versions late, so its
 samples lag the trainer by at least `k` policy versions (`async/version_lag_mean` says by how much they did).
@@ -29,19 +30,20 @@ LOSS = {
     "kl_loss_coef": 0.001,
 }
 IS = {"rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0}}
-KEYS = ("rewards/accuracy_reward", "mismatch/mismatch_k3_kl", "async/version_lag_mean", "rollout_is/mean")
+# the reward summed over the reward functions (TRL's `reward`), π_old vs π_behavior, the lag, the IS weight
+KEYS = ("reward", "mismatch/mismatch_k3_kl", "async/version_lag_mean", "rollout_is/mean")
 
 
-def run(lags: list[int], steps: int) -> None:
+def run(lags: list[int], steps: int, tag: str, extra: list[str]) -> None:
     for lag in lags:
         for is_on in (True, False):
-            out = OUT / f"lag{lag}_is{'on' if is_on else 'off'}"
+            out = OUT / tag / f"lag{lag}_is{'on' if is_on else 'off'}"
             rl_loss = {**LOSS, **(IS if is_on else {})}
             cmd = [
                 "accelerate", "launch", "--config_file", str(ROOT / "accelerate_configs" / "single_process.yaml"),
                 str(ROOT / "recipes" / "grpo_async.py"), "--config", str(CONFIG), "--output_dir", str(out),
                 "--max_steps", str(steps), "--weight_lag", str(lag), "--max_staleness", str(lag + 2),
-                "--rl_loss", json.dumps(rl_loss), "--plot", "true",
+                "--rl_loss", json.dumps(rl_loss), "--plot", "true", *extra,
             ]  # fmt: skip
             if (out / "metrics.jsonl").exists():
                 (out / "metrics.jsonl").unlink()
@@ -52,14 +54,16 @@ def _history(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if KEYS[0] in r]
 
 
-def report() -> None:
+def report(tag: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {p.name: _history(p / "metrics.jsonl") for p in sorted(OUT.glob("lag*")) if (p / "metrics.jsonl").exists()}
-    print("| run | steps | version lag (mean) | accuracy reward, first 4 → last 4 steps | mismatch k3 KL (mean) |")
+    folder = OUT / tag
+    paths = [p for p in sorted(folder.glob("lag*")) if (p / "metrics.jsonl").exists()]
+    runs = {p.name: _history(p / "metrics.jsonl") for p in paths}
+    print("| run | steps | version lag (mean) | reward, first 4 → last 4 steps | mismatch k3 KL (mean) |")
     print("|---|---|---|---|---|")
     for name, rows in runs.items():
         reward = [r[KEYS[0]] for r in rows]
@@ -82,7 +86,7 @@ def report() -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = ROOT / "docs" / "async_staleness.png"
+    path = ROOT / "docs" / f"async_staleness_{tag}.png"
     fig.savefig(path, dpi=90)
     print(f"\nplot: {path.relative_to(ROOT)}")
 
@@ -93,10 +97,13 @@ if __name__ == "__main__":
     run_parser = sub.add_parser("run")
     run_parser.add_argument("--lags", type=int, nargs="+", default=[0, 2, 4])
     run_parser.add_argument("--steps", type=int, default=40)
-    sub.add_parser("report")
+    run_parser.add_argument("--tag", default="demo", help="results go to benchmarks/results/async_staleness/<tag>")
+    run_parser.add_argument("extra", nargs="*", help="recipe flags after --, e.g. -- --learning_rate 1e-5")
+    report_parser = sub.add_parser("report")
+    report_parser.add_argument("--tag", default="demo")
     args = parser.parse_args()
     if args.command == "run":
-        run(args.lags, args.steps)
+        run(args.lags, args.steps, args.tag, args.extra)
     else:
-        report()
+        report(args.tag)
     sys.exit(0)
