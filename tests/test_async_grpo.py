@@ -327,3 +327,40 @@ def test_two_trainer_processes_on_gloo_equal_one(policy, tmp_path):
     for a, b in zip(one_logs, two["logs"]):
         assert abs(a["loss/total"] - b["loss/total"]) < 1e-6
         assert a["train_policy/valid_tokens"] == b["train_policy/valid_tokens"]
+
+
+@pytest.mark.parametrize("support", ["full", "sampled"])
+def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, support):
+    """The worker's loop (run here, in-process) records each sampled token's log-prob under temperature 0.8, top-k 5
+    and top-p 0.9 as the policy gives it: over the whole vocabulary (`full`) or renormalized over the kept support
+    (`sampled`); every sampled token lies in that support; advantages are TRL's group advantages."""
+    import types
+
+    from _trainer_utils import make_dataset, reward_length
+    from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.8, top_k=5, top_p=0.9,
+                                 rollout_logprobs_support=support, **ASYNC_ARGS)  # fmt: skip
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, groups_per_batch=2)
+    loop = _WorkerLoop(worker._settings, None, worker.metrics_queue, None, None, types.SimpleNamespace(value=0.0))
+    loop.load()
+    loop.version = 3
+    torch.manual_seed(0)
+    samples = loop._generate_batch()
+    assert len(samples) == 2 * args.num_generations and {s.model_version for s in samples} == {3}
+    warpers = LogitsProcessorList([TopKLogitsWarper(5), TopPLogitsWarper(0.9)])
+    for sample in samples:
+        ids = torch.as_tensor(sample.input_ids).unsqueeze(0)
+        with torch.no_grad():
+            logits = loop.model(ids).logits[0, :-1].float() / 0.8
+        targets, mask = ids[0, 1:], torch.as_tensor(sample.completion_mask[1:]).bool()
+        scores = logits if support == "full" else warpers(ids, logits)
+        expected = torch.log_softmax(scores, -1).gather(-1, targets[:, None])[:, 0][mask]
+        recorded = torch.as_tensor(sample.old_log_probs[1:])[mask]
+        assert torch.isfinite(expected).all()  # the sampled token is in the truncated support
+        torch.testing.assert_close(recorded, expected, atol=1e-4, rtol=0)
+    rewards = np.array([s.metrics["reward"] for s in samples[: args.num_generations]])
+    advantages = [s.advantage for s in samples[: args.num_generations]]
+    np.testing.assert_allclose(advantages, (rewards - rewards.mean()) / (rewards.std() + 1e-8), rtol=1e-6)

@@ -287,15 +287,18 @@ class _WorkerLoop:
         self.next_prompt = 0
         self.next_group = 0
 
-    def run(self, ready) -> None:
+    def load(self) -> None:
+        """Load the worker's own copy of the policy (float32 unless `dtype` says otherwise, SDPA attention)."""
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(self.s.threads)
         dtype = {"auto": "auto"}.get(self.s.dtype, getattr(torch, self.s.dtype))
         self.model = AutoModelForCausalLM.from_pretrained(self.s.model_path, dtype=dtype, attn_implementation="sdpa")
         self.model.eval()
-        tok = self.s.tokenizer
-        self.eos_ids = [tok.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
+        self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
+
+    def run(self, ready) -> None:
+        torch.set_num_threads(self.s.threads)
+        self.load()
         ready.set()
         while not self.stop.is_set():
             self._apply_weights(block=self.version == 0)
