@@ -364,3 +364,25 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
     rewards = np.array([s.metrics["reward"] for s in samples[: args.num_generations]])
     advantages = [s.advantage for s in samples[: args.num_generations]]
     np.testing.assert_allclose(advantages, (rewards - rewards.mean()) / (rewards.std() + 1e-8), rtol=1e-6)
+
+
+def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(policy, tok, tmp_path):
+    """`weight_lag=2`: the cold sync's weights are used at once (nothing older exists; waiting would deadlock with
+    the trainer, which waits for samples), later ones when two newer versions have arrived."""
+    import queue as queues
+    import types
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)
+    weights = queues.Queue()
+    loop = _WorkerLoop(worker._settings, None, None, weights, None, types.SimpleNamespace(value=0.0))
+    loop.load()
+    state = {k: v.clone() for k, v in loop.model.state_dict().items()}
+    seen = []
+    for version in range(1, 6):
+        weights.put((version, state))
+        loop._apply_weights(block=False)
+        seen.append(loop.version)
+    assert seen == [1, 1, 1, 2, 3]

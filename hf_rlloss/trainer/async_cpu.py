@@ -309,7 +309,8 @@ class _WorkerLoop:
             self.heartbeat.value = time.time()
 
     def _apply_weights(self, block: bool) -> None:
-        """Take every weight message waiting; load the newest one that is `weight_lag` versions old."""
+        """Take every weight message waiting; load the one `weight_lag` versions behind the newest (the first one at
+        once: nothing older exists, and waiting for later ones would wait on the trainer, which waits on samples)."""
         while True:
             try:
                 self.pending.append(self.weights_queue.get(timeout=0.5 if block else 0.0))
@@ -317,7 +318,7 @@ class _WorkerLoop:
             except queue.Empty:
                 break
         self.heartbeat.value = time.time()
-        while len(self.pending) > self.s.weight_lag:
+        while len(self.pending) > self.s.weight_lag or (self.version == 0 and self.pending):
             version, state = self.pending.popleft()
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             if unexpected:
