@@ -48,6 +48,9 @@ def run(lags: list[int], steps: int, tag: str, extra: list[str]) -> None:
             if (out / "metrics.jsonl").exists():
                 (out / "metrics.jsonl").unlink()
             subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            for path in out.iterdir():  # keep the per-step metrics, not the saved model
+                if path.is_file() and path.name != "metrics.jsonl":
+                    path.unlink()
 
 
 def _history(path: Path) -> list[dict]:
