@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # The trainer pulls in trl and transformers: import it on first use, so the loss layer stays light.
-    if name in ("RLLossGRPOTrainer", "RLLossGRPOConfig"):
+    if name in ("RLLossGRPOTrainer", "RLLossGRPOConfig", "RLLossAsyncGRPOTrainer", "RLLossAsyncGRPOConfig"):
         from . import trainer
 
         return getattr(trainer, name)
@@ -57,6 +57,8 @@ __all__ = [
     "GRPOLossContext",
     "PolicyLossConfig",
     "PolicyLossSpec",
+    "RLLossAsyncGRPOConfig",
+    "RLLossAsyncGRPOTrainer",
     "RLLossGRPOConfig",
     "RLLossGRPOTrainer",
     "Reduction",

@@ -159,9 +159,10 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         os._exit(0)
 
 
-def parse_args(argv: list[str] | None = None):
-    """Parse `--config` YAML and flags; an unknown key is an error naming it, its close matches and the valid keys."""
-    types = (GRPOScriptArguments, RLLossGRPOConfig, ModelConfig)
+def parse_args(argv: list[str] | None = None, types: tuple[type, ...] | None = None):
+    """Parse `--config` YAML and flags; an unknown key is an error naming it, its close matches and the valid keys.
+    `types` defaults to this recipe's (`GRPOScriptArguments`, `RLLossGRPOConfig`, `ModelConfig`)."""
+    types = types or (GRPOScriptArguments, RLLossGRPOConfig, ModelConfig)
     parser = TrlParser(types)
     *parsed, from_config, from_cli = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True

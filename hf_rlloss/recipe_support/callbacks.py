@@ -94,19 +94,24 @@ class RunSummaryCallback(TrainerCallback):
             Steps averaged at the start and at the end of the run (all of them when the run is shorter).
         reward_key (`str`, *optional*, defaults to `"rewards/accuracy_reward/mean"`):
             The logged reward to summarize; TRL's total `reward` is used when it is not logged.
+        step_time_key (`str`, *optional*, defaults to `"step_time"`):
+            The logged step time (TRL's async trainer: `"perf/step_s"`, absent on its first step); a training step's
+            log is one with it or with a `loss`.
     """
 
-    def __init__(self, k: int = 8, reward_key: str = "rewards/accuracy_reward/mean"):
+    def __init__(self, k: int = 8, reward_key: str = "rewards/accuracy_reward/mean", step_time_key: str = "step_time"):
         self.k = k
         self.reward_key = reward_key
+        self.step_time_key = step_time_key
         self.rewards: list[float] = []
         self.step_times: list[float] = []
         self.summarized_key = reward_key
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "step_time" not in logs:  # only the logs of training steps carry TRL's step time
+        if not logs or (self.step_time_key not in logs and "loss" not in logs):  # only training steps' logs
             return
-        self.step_times.append(float(logs["step_time"]))
+        if self.step_time_key in logs:
+            self.step_times.append(float(logs[self.step_time_key]))
         key = self.reward_key if self.reward_key in logs else "reward"
         if key in logs:
             self.rewards.append(float(logs[key]))
@@ -114,7 +119,8 @@ class RunSummaryCallback(TrainerCallback):
 
     def summary(self, model_dir: str, curves: str | None = None) -> str:
         """One line: the reward over the first and the last `k` steps, the mean step time, the curves, the model."""
-        name = "accuracy reward" if self.summarized_key == "rewards/accuracy_reward/mean" else self.summarized_key
+        accuracy = self.summarized_key in ("rewards/accuracy_reward/mean", "rewards/accuracy_reward")
+        name = "accuracy reward" if accuracy else self.summarized_key
         k = min(self.k, len(self.rewards))
         n = len(self.step_times)
         parts = []

@@ -2,6 +2,9 @@
 
 - `grpo_config`: `RLLossGRPOConfig`, TRL's `GRPOConfig` plus the `rl_loss:` block and the options TRL lacks.
 - `grpo_trainer`: `RLLossGRPOTrainer`, TRL's override points, each labelled with the TRL method it replaces.
+- `async_grpo_config`, `async_grpo_trainer`: `RLLossAsyncGRPOConfig`, `RLLossAsyncGRPOTrainer`, TRL's experimental
+  async trainer with the loss layer (imported on first use: `trl.experimental` warns on import); `async_cpu`: its
+  rollout worker (HF `generate` in a separate process) and weight transfer for machines without vLLM/NCCL.
 - `forwards`: the training and no-grad forwards (hidden states, chunked head, log-probs).
 - `lm_head`: finding and calling the LM head under PEFT and engines.
 - `engines`: DeepSpeed/FSDP2 helpers (gathering the head, preparing the reference model).
@@ -18,4 +21,15 @@ The layer imports TRL; it sits on the loss layer (`hf_rlloss.loss`) and the para
 from .grpo_config import RLLossGRPOConfig
 from .grpo_trainer import RLLossGRPOTrainer
 
-__all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
+_ASYNC = {"RLLossAsyncGRPOConfig": "async_grpo_config", "RLLossAsyncGRPOTrainer": "async_grpo_trainer"}
+
+
+def __getattr__(name: str):
+    if name in _ASYNC:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_ASYNC[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RLLossAsyncGRPOConfig", "RLLossAsyncGRPOTrainer", "RLLossGRPOConfig", "RLLossGRPOTrainer"]

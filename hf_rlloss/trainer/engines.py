@@ -129,7 +129,7 @@ def prepare_reference(reference: nn.Module, trainer: Any) -> nn.Module:
     """The reference frozen, in eval mode, and wrapped for the trainer's engine as TRL wraps its own reference."""
     reference.requires_grad_(False)
     reference.eval()
-    if trainer.args.disable_dropout:
+    if getattr(trainer.args, "disable_dropout", True):  # TRL's async config has no such option: off in eval
         disable_dropout_in_model(reference)
     if trainer.is_deepspeed_enabled:
         return prepare_deepspeed(reference, trainer.accelerator)

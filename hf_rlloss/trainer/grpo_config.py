@@ -203,6 +203,28 @@ def format_validation_error(err: ValidationError, prefix: str = "rl_loss") -> st
     return "\n".join(lines)
 
 
+def parse_rl_loss(value: Any) -> dict[str, Any] | None:
+    """The `rl_loss` option as a mapping (or `None`): a JSON string (CLI) is parsed; anything else is refused."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"rl_loss must be a mapping; got {type(value).__name__}")
+    return value
+
+
+def validate_rl_loss(loss_config_class: type[BaseRLLossConfig], data: dict[str, Any]) -> BaseRLLossConfig:
+    """`data` validated into `loss_config_class`; errors name the YAML key (`rl_loss.…`)."""
+    try:
+        return loss_config_class(**data)
+    except ValidationError as err:
+        raise ValueError(f"invalid rl_loss:\n{format_validation_error(err)}") from None
+    except ValueError as err:  # raised outside pydantic's field machinery (e.g. an unknown loss_type lookup)
+        raise ValueError(f"invalid rl_loss: {err}") from None
+
+
 def precision_mismatch_warning(
     user_bf16: bool | None, fp16: bool, resolved: str, accelerate_mixed_precision: str | None
 ) -> str | None:
@@ -390,15 +412,9 @@ class RLLossGRPOConfig(GRPOConfig):
         )
         if mismatch:
             warnings.warn(mismatch, UserWarning, stacklevel=3)
-        if isinstance(self.rl_loss, str):
-            try:
-                self.rl_loss = json.loads(self.rl_loss)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"rl_loss: not a JSON mapping ({err})") from err
+        self.rl_loss = parse_rl_loss(self.rl_loss)
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
-        if self.rl_loss is not None and not isinstance(self.rl_loss, dict):
-            raise ValueError(f"rl_loss must be a mapping; got {type(self.rl_loss).__name__}")
         if self.sp_size > 1:
             self._check_sequence_parallel()
         for name, (in_use, why) in _UNSUPPORTED.items():
@@ -477,12 +493,7 @@ class RLLossGRPOConfig(GRPOConfig):
         return cfg
 
     def _validate_rl_loss(self, data: dict[str, Any]) -> BaseRLLossConfig:
-        try:
-            return self.loss_config_class(**data)
-        except ValidationError as err:
-            raise ValueError(f"invalid rl_loss:\n{format_validation_error(err)}") from None
-        except ValueError as err:  # raised outside pydantic's field machinery (e.g. an unknown loss_type lookup)
-            raise ValueError(f"invalid rl_loss: {err}") from None
+        return validate_rl_loss(self.loss_config_class, data)
 
     def _check_trl_options_agree(self, cfg: BaseRLLossConfig) -> None:
         """TRL loss options left at a non-default value must say the same as `rl_loss`."""

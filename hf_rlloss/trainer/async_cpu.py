@@ -1,0 +1,414 @@
+"""Asynchronous GRPO without vLLM or NCCL: a rollout worker that generates with HF `generate` in its own process,
+and a weight transfer through a `torch.multiprocessing` queue (shared memory).
+
+`HFGenerateRolloutWorker` implements TRL's `RolloutWorkerProtocol`: a spawned process holds its own copy of the
+policy, cycles over the prompts, samples `num_generations` completions per prompt, records each sampled token's
+log-prob as the synchronous trainer's recorder does (`rollout_recording.SampledTokenLogprobs`: the same support under
+top-k/top-p/min-p), scores the completions with the reward functions, computes the group advantage as TRL's vLLM
+worker does, and puts TRL `RolloutSample`s tagged with the policy version they were sampled from on its queue.
+`QueueWeightTransfer` implements `WeightTransferProtocol`: `send_weights` puts the trainer's parameters on a queue the
+worker drains between two `generate` calls (it loads them then, so a batch is never sampled from two policies).
+
+Health: the worker ticks a heartbeat after every batch (and while it waits on a full queue); `check_health` raises,
+naming the cause, when the process died, raised (its traceback is chained), or has not ticked for `stale_after_s`
+seconds; TRL's trainer calls it whenever its queue stays empty for 5 s, so a dead or stalled worker ends training
+with an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from trl.experimental.async_grpo import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from .rollout_recording import SampledTokenLogprobs, recording_logprobs
+
+__all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
+
+# AsyncGRPOConfig options that configure TRL's vLLM worker and mean nothing to HF `generate` in a process of its own
+VLLM_ONLY_OPTIONS = (
+    "vllm_server_base_url",
+    "vllm_server_timeout",
+    "request_timeout",
+    "max_inflight_tasks",
+    "max_tool_calling_iterations",
+)
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == name)
+
+
+def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """`(G,)` advantages of one group's summed rewards as TRL's async worker computes them: `(r − mean) / (std +
+    1e-8)` (population std) over the scorable completions, 0 for a completion every reward function skipped (NaN).
+    Also the group's reward mean and std (NaN when nothing was scorable)."""
+    scored = ~np.isnan(rewards)
+    advantages = np.zeros_like(rewards)
+    if not scored.any():
+        return advantages, float("nan"), float("nan")
+    values = rewards[scored]
+    advantages[scored] = (values - values.mean()) / (values.std() + 1e-8)
+    return advantages, float(values.mean()), float(values.std())
+
+
+@dataclasses.dataclass
+class _Settings:
+    """What the worker process needs (picklable)."""
+
+    model_path: str
+    prompts: list[dict[str, Any]]
+    reward_funcs: list[Callable]
+    reward_names: list[str]
+    tokenizer: Any
+    num_generations: int
+    groups_per_batch: int
+    generation_kwargs: dict[str, Any]
+    support: str
+    record_logprobs: bool
+    weight_lag: int
+    threads: int
+    dtype: str
+    chat_template_kwargs: dict[str, Any]
+
+
+class HFGenerateRolloutWorker:
+    """TRL `RolloutWorkerProtocol` with HF `generate` in a spawned process holding its own copy of the policy.
+
+    Args:
+        model (`str`): the policy's path (the worker loads its own copy; the trainer's weights arrive through
+            `QueueWeightTransfer`, the first before generation starts).
+        dataset (`datasets.Dataset` or `list[dict]`): rows with a `prompt` (text or chat messages); the other columns
+            go to the reward functions as keywords, as in TRL.
+        reward_funcs (`list[Callable]`): TRL reward functions (picklable: module-level functions), summed.
+        processing_class (`PreTrainedTokenizerBase`): the tokenizer.
+        args (`AsyncGRPOConfig`): sampling (`num_generations`, `max_completion_length`, `temperature`, `top_p`,
+            `top_k`, `min_p`, `repetition_penalty`), `queue_maxsize`, `rollout_logprobs_support` (when present) and
+            `dtype`. The vLLM worker's options (`VLLM_ONLY_OPTIONS`) must be left at their defaults.
+        record_logprobs (`bool`, *optional*, defaults to `True`): record the sampled tokens' log-probs (rollout IS
+            and the mismatch metrics need them); `False` sends NaN.
+        groups_per_batch (`int`, *optional*): prompts per `generate` call; defaults to one optimizer step's worth.
+        weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
+            experiment's knob: samples then lag the trainer by at least `weight_lag` versions).
+        threads (`int`, *optional*, defaults to `1`): torch threads of the worker process.
+        ready_timeout (`float`, *optional*, defaults to `600`): seconds `start` waits for the process to load.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dataset: Any,
+        reward_funcs: list[Callable],
+        processing_class: Any,
+        args: AsyncGRPOConfig,
+        *,
+        record_logprobs: bool = True,
+        groups_per_batch: int | None = None,
+        weight_lag: int = 0,
+        threads: int = 1,
+        ready_timeout: float = 600.0,
+    ):
+        for name in VLLM_ONLY_OPTIONS:
+            if getattr(args, name) != _default(name):
+                raise ValueError(
+                    f"{name}={getattr(args, name)!r} configures TRL's vLLM rollout worker; HFGenerateRolloutWorker "
+                    f"generates with HF generate in its own process and does not use it: leave {name} at its "
+                    f"default ({_default(name)!r})"
+                )
+        if weight_lag < 0:
+            raise ValueError(f"weight_lag={weight_lag} must be >= 0")
+        if not isinstance(model, str):
+            raise TypeError("HFGenerateRolloutWorker loads its own copy of the policy: pass the model's path")
+        samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        rows = [dict(row) for row in dataset]
+        if not rows or "prompt" not in rows[0]:
+            raise ValueError("HFGenerateRolloutWorker needs a dataset with a 'prompt' column")
+        funcs = list(reward_funcs or [])
+        self.records_logprobs = record_logprobs
+        self._settings = _Settings(
+            model_path=model,
+            prompts=rows,
+            reward_funcs=funcs,
+            reward_names=[getattr(f, "__name__", type(f).__name__) for f in funcs],
+            tokenizer=processing_class,
+            num_generations=args.num_generations,
+            groups_per_batch=groups_per_batch or max(1, samples_per_step // args.num_generations),
+            generation_kwargs=dict(
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k or None,
+                min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty,
+                max_new_tokens=args.max_completion_length,
+            ),
+            support=getattr(args, "rollout_logprobs_support", "full"),
+            record_logprobs=record_logprobs,
+            weight_lag=weight_lag,
+            threads=threads,
+            dtype=args.dtype,
+            chat_template_kwargs=dict(args.chat_template_kwargs or {}),
+        )
+        ctx = mp.get_context("spawn")
+        self._ctx = ctx
+        self.rollout_buffer = ctx.Queue(maxsize=args.queue_maxsize)
+        self.metrics_queue = ctx.Queue(maxsize=4096)
+        self.weights_queue = ctx.Queue()
+        self._model_version = ctx.Value("i", 0)
+        self._stop = ctx.Event()
+        self._ready = ctx.Event()
+        self._failed = ctx.Event()
+        self._errors = ctx.Queue(maxsize=1)
+        self._heartbeat = ctx.Value("d", 0.0)
+        self._ready_timeout = ready_timeout
+        self._process = None
+
+    @property
+    def model_version(self) -> int:
+        return int(self._model_version.value)
+
+    def update_model_version(self, model_version: int) -> None:
+        self._model_version.value = int(model_version)
+
+    def start(self) -> None:
+        if self._process is not None:
+            return
+        self._heartbeat.value = time.time()
+        self._process = self._ctx.Process(
+            target=_worker_main,
+            args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights_queue, self._stop,
+                  self._ready, self._failed, self._errors, self._heartbeat),
+            name="hf-generate-rollout-worker",
+            daemon=True,
+        )  # fmt: skip
+        self._process.start()
+        deadline = time.monotonic() + self._ready_timeout
+        while not self._ready.wait(timeout=0.5):
+            self._raise_if_dead()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"HFGenerateRolloutWorker did not load its policy within {self._ready_timeout}s")
+
+    def _raise_if_dead(self) -> None:
+        if self._failed.is_set():
+            try:
+                cause = RuntimeError(self._errors.get(timeout=5.0))  # put before the event was set
+            except queue.Empty:
+                cause = None
+            raise RuntimeError(
+                "HFGenerateRolloutWorker: the rollout process failed (its traceback is chained)"
+            ) from cause
+        if self._process is not None and not self._process.is_alive():
+            raise RuntimeError(
+                f"HFGenerateRolloutWorker: the rollout process exited (exit code {self._process.exitcode}) while the "
+                "trainer waits for samples"
+            )
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise if the process died, raised, or has not produced (heartbeat) for `stale_after_s` seconds."""
+        self._raise_if_dead()
+        age = time.time() - self._heartbeat.value
+        if age > stale_after_s:
+            raise RuntimeError(
+                f"HFGenerateRolloutWorker: no progress for {age:.0f}s > heartbeat_stale_after_s={stale_after_s:.0f}s; "
+                "the rollout process is stalled"
+            )
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._stop.set()
+        self._process.join(timeout=15)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=5)
+        self._process = None
+
+
+class QueueWeightTransfer:
+    """TRL `WeightTransferProtocol` without NCCL: the trainer's parameters go to `HFGenerateRolloutWorker` through a
+    `torch.multiprocessing` queue (tensors in shared memory), tagged with the version they will be.
+
+    Args:
+        worker (`HFGenerateRolloutWorker`): the worker whose policy copy receives the weights.
+        timeout_s (`float`, *optional*, defaults to `600`): how long `send_weights` may wait for the queue.
+    """
+
+    def __init__(self, worker: HFGenerateRolloutWorker, timeout_s: float = 600.0):
+        self.worker = worker
+        self.timeout_s = timeout_s
+
+    def init_weight_transfer(self) -> None: ...
+
+    def pause(self) -> None: ...  # the worker swaps weights between two generate calls: nothing to pause
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in iterator}
+        # TRL bumps the version right after this transfer: these weights are the policy of the next version
+        self.worker.weights_queue.put((self.worker.model_version + 1, state), timeout=self.timeout_s)
+
+    def resume(self) -> None: ...
+
+    def destroy(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The worker process
+
+
+def _worker_main(settings, rollout_buffer, metrics_queue, weights_queue, stop, ready, failed, errors, heartbeat):
+    try:
+        _WorkerLoop(settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat).run(ready)
+    except BaseException:  # report, then leave: the trainer's health check raises with this traceback
+        try:
+            errors.put_nowait(traceback.format_exc())
+        except queue.Full:
+            pass
+        failed.set()
+
+
+class _WorkerLoop:
+    def __init__(self, settings: _Settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat):
+        self.s = settings
+        self.rollout_buffer, self.metrics_queue, self.weights_queue = rollout_buffer, metrics_queue, weights_queue
+        self.stop, self.heartbeat = stop, heartbeat
+        self.pending: deque[tuple[int, dict[str, torch.Tensor]]] = deque()  # received, not yet applied (weight_lag)
+        self.version = 0  # the version of the weights the worker samples from (0: not synced yet)
+        self.next_prompt = 0
+        self.next_group = 0
+
+    def load(self) -> None:
+        """Load the worker's own copy of the policy (float32 unless `dtype` says otherwise, SDPA attention)."""
+        from transformers import AutoModelForCausalLM
+
+        dtype = {"auto": "auto"}.get(self.s.dtype, getattr(torch, self.s.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(self.s.model_path, dtype=dtype, attn_implementation="sdpa")
+        self.model.eval()
+        self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
+
+    def run(self, ready) -> None:
+        torch.set_num_threads(self.s.threads)
+        self.load()
+        ready.set()
+        while not self.stop.is_set():
+            self._apply_weights(block=self.version == 0)
+            if self.version == 0:
+                continue
+            for sample in self._generate_batch():
+                self._put(sample)
+            self.heartbeat.value = time.time()
+
+    def _apply_weights(self, block: bool) -> None:
+        """Take every weight message waiting; load the one `weight_lag` versions behind the newest (the first one at
+        once: nothing older exists, and waiting for later ones would wait on the trainer, which waits on samples)."""
+        while True:
+            try:
+                self.pending.append(self.weights_queue.get(timeout=0.5 if block else 0.0))
+                block = False
+            except queue.Empty:
+                break
+        self.heartbeat.value = time.time()
+        while len(self.pending) > self.s.weight_lag or (self.version == 0 and self.pending):
+            version, state = self.pending.popleft()
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected:
+                raise RuntimeError(f"weights the rollout policy does not have: {unexpected[:5]}")
+            self.version = version
+
+    def _put(self, sample: RolloutSample) -> None:
+        sample.enqueued_at = time.time()
+        while not self.stop.is_set():
+            try:
+                self.rollout_buffer.put(sample, timeout=0.5)
+                return
+            except queue.Full:
+                self.heartbeat.value = time.time()  # waiting on the trainer is not a stall
+                self._apply_weights(block=False)
+
+    @torch.no_grad()
+    def _generate_batch(self) -> list[RolloutSample]:
+        s, tok = self.s, self.s.tokenizer
+        rows = [s.prompts[(self.next_prompt + i) % len(s.prompts)] for i in range(s.groups_per_batch)]
+        self.next_prompt += len(rows)
+        version = self.version
+        texts = [_prompt_text(tok, row["prompt"], s.chat_template_kwargs) for row in rows]
+        encoded = tok([t for t in texts for _ in range(s.num_generations)], return_tensors="pt", padding=True,
+                      padding_side="left", add_special_tokens=False)  # fmt: skip
+        recorder = SampledTokenLogprobs()
+        with recording_logprobs(self.model, recorder):
+            out = self.model.generate(
+                **encoded, **s.generation_kwargs, eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id
+            )
+        prompt_len = encoded["input_ids"].shape[1]
+        completions = [_cut_at_eos(ids, self.eos_ids) for ids in out[:, prompt_len:].tolist()]
+        recorded = recorder.per_completion(completions, s.support) if s.record_logprobs else None
+        samples = []
+        for g, row in enumerate(rows):
+            index = range(g * s.num_generations, (g + 1) * s.num_generations)
+            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
+        return samples
+
+    def _score_group(self, row, encoded, completions, index, recorded, version) -> list[RolloutSample]:
+        s, tok = self.s, self.s.tokenizer
+        texts = tok.batch_decode(completions, skip_special_tokens=True)
+        conversational = isinstance(row["prompt"], list)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        extra = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
+        columns = [
+            [math.nan if r is None else float(r) for r in fn(prompts=[row["prompt"]] * len(texts), completions=shown,
+                                                              completion_ids=completions, **extra)]
+            for fn in s.reward_funcs
+        ]  # fmt: skip
+        per_func = np.array(columns, dtype=float).reshape(len(columns), len(texts))
+        rewards = np.nansum(per_func, axis=0)
+        rewards[np.all(np.isnan(per_func), axis=0)] = np.nan
+        advantages, mean, std = group_advantages(rewards)
+        group = self.next_group
+        self.next_group += 1
+        samples = []
+        for j, (i, completion) in enumerate(zip(index, completions)):
+            prompt = encoded["input_ids"][i][encoded["attention_mask"][i].bool()].tolist()
+            logps = recorded[0][i] if recorded is not None else [math.nan] * len(completion)
+            metrics = {"reward": float(rewards[j]), "reward_std": std}
+            metrics.update({f"rewards/{n}": float(per_func[k, j]) for k, n in enumerate(s.reward_names)})
+            samples.append(
+                RolloutSample(
+                    prompt=row["prompt"], completion=shown[j], input_ids=np.asarray(prompt + completion, np.int64),
+                    completion_mask=np.asarray([0] * len(prompt) + [1] * len(completion), np.int64),
+                    old_log_probs=np.asarray([0.0] * len(prompt) + list(logps), np.float32),
+                    advantage=float(advantages[j]), model_version=version, group_id=group, metrics=metrics,
+                )
+            )  # fmt: skip
+        try:
+            self.metrics_queue.put_nowait({"rollout/reward_mean": mean, "rollout/version": float(version)})
+        except queue.Full:
+            pass
+        return samples
+
+
+def _as_list(value) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _prompt_text(tok, prompt, chat_template_kwargs: dict[str, Any]) -> str:
+    if isinstance(prompt, list):
+        return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+    return prompt
+
+
+def _cut_at_eos(ids: list[int], eos_ids: list[int]) -> list[int]:
+    """The completion up to and including its first EOS (the padding after it dropped)."""
+    for t, token in enumerate(ids):
+        if token in eos_ids:
+            return ids[: t + 1]
+    return ids

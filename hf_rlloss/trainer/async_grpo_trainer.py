@@ -1,0 +1,433 @@
+"""`RLLossAsyncGRPOTrainer`: TRL's asynchronous GRPO trainer with its loss replaced by the hf_rlloss loss layer.
+
+TRL's data path is kept as it is: the rollout worker and its queue, the staleness filter (`max_staleness`), the
+weight-sync cadence (`weight_sync_steps`), the planner and TRL's prefix-trie packing (`TreeRow`). What changes is the
+loss of an optimizer step (see docs/async.md):
+
+* **Decoupled objective.** π_behavior is the sampler's log-probs (TRL's `old_log_probs`); π_old is the trainer's own
+  no-grad pass over the step's micro-batches before the first backward (`get_batch_samples`), the PPO clip is taken
+  against it, and rollout IS weighs by π_old / π_behavior with every level, mode and veto of the loss layer.
+  `behavior_as_old_policy=True` keeps TRL's choice (π_old = π_behavior, one forward fewer).
+* **Exact normalization** of the step's micro-batches on all ranks (`build_batches`), KL to a reference model, every
+  policy loss, OPSM and the entropy bonus: the loss layer's.
+* **Packed rows.** A row's trained tokens are TRL's loss terms (`token_index`: the packed position whose hidden state
+  predicts each target); the loss layer sees them as one packed row `(1, M)` split into sequences by `segment_id`,
+  and projects the backbone's hidden states at `token_index` through the LM head in chunks (no `(tokens, vocab)`
+  logits).
+* **Metrics**: the loss layer's (`train_policy/*`, `mismatch/*`, `rollout_is/*`), plus `async/version_lag_mean`,
+  `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer) and
+  `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trl.experimental.async_grpo.async_grpo_trainer as trl_async
+from torch import nn
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, RolloutQueueDataset
+from trl.experimental.async_grpo.packing import TREE_ATTENTION
+from trl.models.utils import _ForwardRedirection
+from trl.trainer.utils import create_model_from_path, use_adapter
+
+from ..loss.config import BaseRLLossConfig
+from ..loss.context import BaseRLLossContext
+from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..parallel.tree_attention import register_tree_attention
+from .async_grpo_config import RLLossAsyncGRPOConfig
+from .engines import activation_checkpointing_disabled, prepare_reference, reference_source
+from .forwards import LossLayerForwards
+from .grpo_trainer import _overridden
+from .lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
+from .rollout_recording import replay_warpers
+
+__all__ = [
+    "PackedRow",
+    "RLLossAsyncGRPOConfig",
+    "RLLossAsyncGRPOTrainer",
+    "packed_row",
+    "portable_async_trl",
+    "tree_attention_name",
+]
+
+
+def tree_attention_name(backend: str, device_type: str) -> str:
+    """The attention implementation the packed rows use: TRL's `"tree_fa3"` (its CUDA kernel) or hf_rlloss'
+    portable `"tree_sdpa"` (registered here). `"auto"` picks FA3 on CUDA when the `kernels` package is installed."""
+    if backend == "auto":
+        try:
+            import kernels  # noqa: F401
+
+            has_kernels = True
+        except ImportError:
+            has_kernels = False
+        backend = "fa3" if device_type == "cuda" and has_kernels else "sdpa"
+    if backend == "fa3":
+        if device_type != "cuda":
+            raise ValueError(
+                f"tree_attention='fa3' needs CUDA (TRL's FlashAttention-3 kernel); the device is {device_type}: use "
+                "'sdpa'"
+            )
+        return TREE_ATTENTION
+    return register_tree_attention()
+
+
+@contextlib.contextmanager
+def portable_async_trl(device_type: str = "cpu") -> Iterator[None]:
+    """TRL's `AsyncGRPOTrainer` constructed off CUDA: its two CUDA-only calls replaced while inside the block.
+
+    TRL's constructor registers its FlashAttention-3 tree attention (`register_tree_attention`) and asks CUDA for the
+    device's name (`get_peak_flops_per_device`, for MFU). Off CUDA the first registers hf_rlloss' exact SDPA tree
+    attention under TRL's name `"tree_fa3"` instead, and the second gives `None` (no MFU metric), so a stock
+    `AsyncGRPOTrainer` built in the block trains on CPU. On CUDA nothing is replaced.
+    """
+    if device_type == "cuda":
+        yield
+        return
+    with _overridden(
+        trl_async,
+        register_tree_attention=lambda: register_tree_attention(TREE_ATTENTION),
+        get_peak_flops_per_device=lambda accelerator, dtype: None,
+    ):
+        yield
+
+
+@dataclass
+class PackedRow:
+    """One rank's packed row of a micro-batch, its inter-rank padding stripped (as TRL's `compute_loss` strips it).
+
+    `N` forwarded tokens, `M` trained tokens (loss terms), `S` samples.
+    """
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    tree_kwargs: dict[str, Any]  # TRL's tree_* layout keywords for the attention
+    token_index: torch.Tensor  # (M,) packed position whose hidden state predicts each target
+    labels: torch.Tensor  # (M,) the target tokens
+    behavior_logprobs: torch.Tensor  # (M,) the sampler's log-probs of the targets
+    advantages: torch.Tensor  # (M,)
+    num_tokens: torch.Tensor  # (S,) trained tokens of each sample (the loss terms are grouped by sample)
+
+
+def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
+    """The `PackedRow` of a rank's slice of a batch from TRL's `DataCollatorForRollout` (see its `TreeRow.pack`)."""
+    mask = inputs["attention_mask"].bool()
+    selected = inputs["token_index"] >= 0
+    token_index = inputs["token_index"][selected]
+    segment_id = inputs["segment_id"][selected]
+    tree_kwargs = {
+        key: inputs[key][inputs[key] >= 0] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
+    }
+    tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+    # TRL's collator does not send the samples of a row; the versioned collator below does (an empty one has none)
+    if "num_samples" in inputs:
+        samples = int(inputs["num_samples"][0])
+    else:
+        samples = int(segment_id.max()) + 1 if segment_id.numel() else 0
+    return PackedRow(
+        input_ids=inputs["input_ids"][mask].unsqueeze(0),
+        position_ids=inputs["position_ids"][mask].unsqueeze(0),
+        tree_kwargs=tree_kwargs,
+        token_index=token_index,
+        labels=inputs["shift_labels"][mask][token_index],
+        behavior_logprobs=inputs["old_log_probs"][selected].float(),
+        advantages=inputs["advantages"][selected].float(),
+        num_tokens=torch.bincount(segment_id, minlength=samples),
+    )
+
+
+class _CountingQueue:
+    """The rollout queue, counting the samples taken from it and keeping the last one (for `_VersionedDataset`)."""
+
+    def __init__(self, queue):
+        self._queue = queue
+        self.taken = 0
+        self.last = None
+
+    def get(self, *args, **kwargs):
+        self.last = self._queue.get(*args, **kwargs)
+        self.taken += 1
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+
+class _VersionedDataset(RolloutQueueDataset):
+    """TRL's `RolloutQueueDataset` whose items also carry their sample's `model_version`, and which logs the share of
+    the samples taken from the queue that its staleness filter dropped (`async/dropped_stale_frac`)."""
+
+    def __iter__(self):
+        self.queue = counting = self.queue if isinstance(self.queue, _CountingQueue) else _CountingQueue(self.queue)
+        taken = counting.taken
+        for item in super().__iter__():
+            dropped = counting.taken - taken - 1  # taken since the previous item, less this one
+            taken = counting.taken
+            self.metrics["async/dropped_stale_frac"].append((float(dropped), float(dropped + 1)))
+            item["model_version"] = counting.last.model_version
+            yield item
+
+
+@dataclass
+class _VersionedCollator(DataCollatorForRollout):
+    """TRL's collator, also sending each row's sample count (`num_samples`) and logging the samples' version lag."""
+
+    model_version_fn: Any = None
+
+    def torch_call(self, examples: list[Any]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        (rows,) = examples
+        batch["num_samples"] = torch.tensor([len(row.samples) for row in rows])
+        if self.model_version_fn is not None:
+            version = self.model_version_fn()
+            lags = [float(version - s["model_version"]) for row in rows for s in row.samples if "model_version" in s]
+            if lags:
+                self.metrics["async/version_lag_mean"].append((sum(lags), float(len(lags))))
+                self.metrics["async/version_lag_max"].append(max(lags))
+        return batch
+
+
+class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
+    r"""
+    TRL's [`~trl.experimental.async_grpo.AsyncGRPOTrainer`] (rollout worker and queue, staleness filter, weight sync,
+    prefix-trie packing unchanged) whose loss is the hf_rlloss loss layer, configured by `args.rl_loss` as in
+    `RLLossGRPOTrainer`, with the decoupled objective for stale samples (see the module docstring and docs/async.md).
+
+    Example (CPU, no vLLM: the rollout worker generates with HF `generate` in its own process):
+
+    ```python
+    >>> from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
+    >>> from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+
+    >>> args = RLLossAsyncGRPOConfig("out", use_cpu=True, bf16=False, max_staleness=2, token_budget=512,
+    ...                              rl_loss={"rollout_is": {"level": "token", "upper": 2.0}})
+    >>> worker = HFGenerateRolloutWorker("path/to/model", dataset, [reward_fn], tokenizer, args)
+    >>> trainer = RLLossAsyncGRPOTrainer("path/to/model", [reward_fn], args, dataset, tokenizer,
+    ...                                  rollout_worker=worker, weight_transfer=QueueWeightTransfer(worker))
+    >>> trainer.train()
+    ```
+
+    Args:
+        model (`str`): the policy's path or Hub id (TRL's async trainer loads it itself, with tree attention).
+        reward_funcs, args, train_dataset, processing_class, callbacks, optimizers, peft_config, tools,
+        environment_factory, rollout_worker, weight_transfer (*optional*): as in TRL; `args` must be an
+            [`RLLossAsyncGRPOConfig`].
+        ref_model (`str` or [`~transformers.PreTrainedModel`], *optional*): the reference of
+            `rl_loss.use_kl_loss`; defaults to the model loaded again from `model` (the base model under PEFT).
+    """
+
+    _tag_names = ["trl", "async-grpo", "hf-rlloss"]
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs: Any = None,
+        args: RLLossAsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        tools: Any = None,
+        environment_factory: Any = None,
+        rollout_worker: Any = None,
+        weight_transfer: Any = None,
+        ref_model: Any = None,
+    ):
+        if args is None:
+            args = RLLossAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
+        if not isinstance(args, RLLossAsyncGRPOConfig):
+            raise TypeError(
+                f"RLLossAsyncGRPOTrainer needs an RLLossAsyncGRPOConfig (got {type(args).__name__}): its rl_loss "
+                "field configures the loss"
+            )
+        self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
+        _check_worker_logprobs(rollout_worker, self.rl_loss_config, args)
+        reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
+        with portable_async_trl("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda"):
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+                tools=tools,
+                environment_factory=environment_factory,
+                rollout_worker=rollout_worker,
+                weight_transfer=weight_transfer,
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        # TRL loaded the model with its FA3 kernel's name; the portable attention gets a name of its own, so that a
+        # stock trainer built later in the process (which re-registers "tree_fa3") cannot swap it back.
+        self._attn_implementation = tree_attention_name(args.tree_attention, self.accelerator.device.type)
+        causal_lm(unwrapped).set_attn_implementation(self._attn_implementation)
+        self.rl_loss_config = with_model_softcapping(self.rl_loss_config, causal_lm(unwrapped))
+        check_model_supported(unwrapped, self.rl_loss_config.logit_softcapping)
+        self._loss_temperature = self.temperature / logit_scale(unwrapped.config.get_text_config())
+        self._forward_redirection = _ForwardRedirection()
+        self.sp_mesh = None
+        self._rl_pending: deque[BaseRLLossContext] = deque()
+        self._rl_step_metrics: dict[str, Any] = {}
+        self._truncation = (
+            replay_warpers(args.top_k, args.top_p, args.min_p) if args.rollout_logprobs_support == "sampled" else None
+        )
+        self.ref_model = self._build_reference(reference)
+
+    def _build_reference(self, source: Any) -> nn.Module | None:
+        """The reference model (`None` without KL, or when it is the policy with its adapter disabled)."""
+        if source is None or source == "adapter":
+            return None
+        if isinstance(source, str):
+            init_kwargs = dict(self.args.model_init_kwargs or {})
+            init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
+            init_kwargs.setdefault("dtype", self.args.dtype)
+            source = create_model_from_path(source, device_map=None, **init_kwargs)
+        causal_lm(source).set_attn_implementation(self._attn_implementation)
+        check_model_supported(source, self.rl_loss_config.logit_softcapping)
+        return prepare_reference(source, self)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # TRL's data path, with the samples' policy versions
+
+    def get_train_dataloader(self):
+        """TRL's dataloader, its dataset and collator swapped for the versioned ones (same samples, same rows)."""
+        collator = functools.partial(_VersionedCollator, model_version_fn=lambda: self.model_version)
+        with _overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=collator):
+            return super().get_train_dataloader()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Optimizer steps: every micro-batch's context built and normalized before the first backward
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """Trainer override: also build the loss contexts of the optimizer step's micro-batches (π_old and reference
+        log-probs from no-grad passes, rollout IS), normalized together over all ranks."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches:
+            contexts = [self.build_loss_context(packed_row(batch), i) for i, batch in enumerate(batches)]
+            type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
+            self._rl_pending = deque(contexts)
+            self._rl_step_metrics = {}
+        return batches, num_items
+
+    def build_loss_data(self, row: PackedRow) -> dict[str, Any]:
+        """The data of one micro-batch given to `rl_loss_config.build`: its loss terms as one packed row `(1, M)`
+        (`num_tokens` per sample), the sampler's log-probs as π_behavior, or as π_old under `behavior_as_old_policy`,
+        and the reference's log-probs for the KL."""
+        data: dict[str, Any] = {
+            "shifted_labels": row.labels.unsqueeze(0),
+            "advantages": row.advantages.unsqueeze(0),
+            "num_tokens": row.num_tokens,
+        }
+        behavior = row.behavior_logprobs.unsqueeze(0)
+        if self.args.behavior_as_old_policy:
+            data["old_logprobs"] = behavior
+        else:
+            if self.rl_loss_config.rollout_is.enabled and not bool(torch.isfinite(behavior).all()):
+                raise ValueError(
+                    "rl_loss.rollout_is needs the sampler's log-probs of every trained token, and this micro-batch "
+                    f"has {int((~torch.isfinite(behavior)).sum())} missing (non-finite): make the rollout worker "
+                    "record them (HFGenerateRolloutWorker(record_logprobs=True); vLLM reports them), or unset "
+                    "rl_loss.rollout_is.upper"
+                )
+            data["rollout_logprobs"] = behavior
+            old = self._no_grad_logprobs(self.model, row, self._truncation)
+            if self._truncation is None:
+                data["old_logprobs"] = old.unsqueeze(0)
+            else:
+                data["old_logprobs"], data["old_kept_logmass"] = (t.unsqueeze(0) for t in old.unbind(-1))
+        if self.rl_loss_config.use_kl_loss:
+            data["ref_logprobs"] = self._reference_logprobs(row).unsqueeze(0)
+        return data
+
+    def build_loss_context(self, row: PackedRow, micro_batch: int) -> BaseRLLossContext:
+        """The loss context of one micro-batch (before `build_batches`); in the decoupled objective rollout IS (and
+        the mismatch metrics) compare π_old with π_behavior."""
+        ctx = self.rl_loss_config.build(self.build_loss_data(row), micro_batch=micro_batch)
+        if ctx.loss_kwargs.rollout_logprobs is not None and ctx.loss_kwargs.old_logprobs is not None:
+            ctx.compute_rollout_is()
+        ctx.packed_row = row
+        return ctx
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Forwards of packed rows
+
+    def tree_hidden_states(self, unwrapped: nn.Module, row: PackedRow) -> torch.Tensor:
+        """`(1, M, H)`: the backbone's last hidden states at the row's loss terms (`token_index`)."""
+        backbone = causal_lm(unwrapped).base_model
+        with self.accelerator.autocast():
+            hidden = backbone(
+                input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **row.tree_kwargs
+            ).last_hidden_state
+        return hidden[:, row.token_index]
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: nn.Module, row: PackedRow, truncation=None) -> torch.Tensor:
+        """`(M,)` float32 log-probs of the row's targets under `model` (`(M, 2)` with the kept log-mass under
+        `truncation`), without gradient and without activation checkpointing."""
+
+        def forward(unwrapped):
+            hidden = self.tree_hidden_states(unwrapped, row)[0]
+            valid = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+            return self._valid_logps(unwrapped, hidden, row.labels, valid, truncation)
+
+        with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+            out = self._call_through_wrapper(model, forward)
+        return out[:, 0] if truncation is None else out
+
+    def _reference_logprobs(self, row: PackedRow) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._no_grad_logprobs(self.ref_model, row)
+        peft_model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(peft_model, adapter_name=None):
+            return self._no_grad_logprobs(self.model, row)
+
+    def _packed_loss(self, unwrapped: nn.Module, ctx: BaseRLLossContext):
+        return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL override: the loss layer's loss of this micro-batch, from the context `get_batch_samples` built."""
+        if not self._rl_pending:
+            raise RuntimeError("compute_loss without a prepared loss context: get_batch_samples builds them per step")
+        ctx = self._rl_pending.popleft()
+        start = time.perf_counter()
+        loss, metrics = self._call_through_wrapper(model, self._packed_loss, ctx)
+        self._step_forward_s += time.perf_counter() - start  # TRL's perf/fwd_s
+        self._rl_step_metrics = accumulate_metrics(self._rl_step_metrics, metrics)
+        if not self._rl_pending:  # the step's last micro-batch: reduce its metrics over the ranks
+            for key, value in finalize_train_policy_metrics(self._rl_step_metrics, device=loss.device).items():
+                self._metrics["train"][key].append(float(value))
+            self._rl_step_metrics = {}
+        self._count_step_tokens(inputs)
+        if self.accelerator.distributed_type != "DEEPSPEED":
+            loss = loss * self.accelerator.gradient_accumulation_steps  # cancels accelerator.backward's division
+        return loss
+
+    def _count_step_tokens(self, inputs: dict[str, torch.Tensor]) -> None:
+        """TRL's per-step token accounting (its `perf/*` and `batch/*_per_step` metrics read it)."""
+        forward_tokens = float(inputs["global_n_forward_tokens"][0])
+        mean_seq_len = float(inputs["mean_seq_len"][0])
+        self._step_forward_tokens += forward_tokens
+        self._step_trained_tokens += float(inputs["global_n_tokens"][0])
+        self._step_seq_len_weighted += mean_seq_len * forward_tokens
+        self._step_samples += forward_tokens / mean_seq_len
+
+
+def _check_worker_logprobs(worker: Any, cfg: BaseRLLossConfig, args: RLLossAsyncGRPOConfig) -> None:
+    """Refuse rollout IS with a worker that says it records no log-probs of its samples."""
+    if cfg.rollout_is.enabled and worker is not None and getattr(worker, "records_logprobs", True) is False:
+        raise ValueError(
+            "rl_loss.rollout_is needs the sampler's log-probs, but the rollout worker records none "
+            f"({type(worker).__name__}.records_logprobs is False): set record_logprobs=True on the worker, or unset "
+            "rl_loss.rollout_is.upper"
+        )
