@@ -36,6 +36,7 @@ from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from ..recipe_support.hub import complete_model_card
+from .dynamic_sampling import DynamicSampling
 from .engines import (
     activation_checkpointing_disabled,
     prepare_reference,
@@ -111,7 +112,7 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
+class RLLossGRPOTrainer(LossLayerForwards, DynamicSampling, GRPOTrainer):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
@@ -268,6 +269,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         if args.sp_size > 1:
             self._setup_sequence_parallel(unwrapped)
         self.ref_model = self._build_reference(reference)
+        self._setup_dynamic_sampling()
         if args.sync_ref_model:
             if not self.rl_loss_config.use_kl_loss:
                 raise ValueError("sync_ref_model=True needs a reference: set rl_loss.use_kl_loss=true")
@@ -351,11 +353,18 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         # TRL override: TRL's look-ahead buffer `_buffered_inputs` holds the generation batch's micro-batches; at an
         # optimizer step's first micro-batch the contexts of the step's micro-batches are built from it together
         # (`_build_step_contexts`), and each reaches `_compute_loss` through `inputs["rl_loss_context"]`.
+        dynamic = self.args.dynamic_sampling and self.model.training  # see dynamic_sampling.py
         if self.sp_mesh is None:
-            inputs = super()._prepare_inputs(generation_batch)
+            inputs = (
+                self._dynamic_sampling_inputs(generation_batch)
+                if dynamic
+                else super()._prepare_inputs(generation_batch)
+            )
         else:
             with ulysses_sequence_parallel(None):  # generation and scoring: no SP attention (see training_step)
-                if self.model.training:
+                if dynamic:
+                    inputs = self._dynamic_sampling_inputs(generation_batch)
+                elif self.model.training:
                     inputs = self._sp_buffered_inputs(generation_batch)
                 else:
                     inputs = super()._prepare_inputs(generation_batch)
