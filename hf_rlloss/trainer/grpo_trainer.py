@@ -397,10 +397,12 @@ class RLLossGRPOTrainer(LossLayerForwards, DynamicSampling, GRPOTrainer):
         if mode != GenerationMode.SAMPLE:
             # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
             # one per-token distribution (beams are re-ranked and re-ordered), so there is no log-prob to record.
-            logger.warning_once(
-                f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: no "
-                "rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
-            )
+            # Said in training only: an evaluation may decode greedily (the recipes' held-out accuracy).
+            if self.model.training:
+                logger.warning_once(
+                    f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: "
+                    "no rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
+                )
             return generate(*inputs)
         recorder = SampledTokenLogprobs()
         with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
