@@ -153,10 +153,14 @@ class StatelessCompletions(FixedCompletions):
         return super().__call__(*args, **kwargs)
 
 
+class StatelessWithLogprobs(StatelessCompletions, FixedWithLogprobs):
+    """`StatelessCompletions` with `FixedWithLogprobs`' rollout log-probs."""
+
+
 def is_constant_prompt(prompt: str) -> bool:
-    """The prompts `Qnn: ...` of `make_dataset` with `nn % 3 == 0`: `reward_length_or_constant` gives their groups
-    one reward (zero variance)."""
-    return int(prompt[1:3]) % 3 == 0
+    """The prompts `Q<n>: ...` (of the tests' `make_dataset`s) with `n % 3 == 0`: `reward_length_or_constant` gives
+    their groups one reward (zero variance)."""
+    return int(prompt[1 : prompt.index(":")]) % 3 == 0
 
 
 def reward_length_or_constant(prompts, completions, **kwargs):
