@@ -136,7 +136,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         training_args.eval_on_start = True  # the "before" of held-out accuracy; the "after" follows train()
         if training_args.num_generations_eval is None:  # greedy: more completions per prompt would be copies
             training_args.num_generations_eval = 1
-    summary = RunSummaryCallback(heldout_note=f"greedy, {len(heldout)} prompts" if heldout is not None else "")
+    summary = RunSummaryCallback()
     trainer = RLLossGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -147,8 +147,9 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         peft_config=get_peft_config(model_args),
         callbacks=[summary, MetricsPlotCallback()] if script_args.plot else [summary],
     )
-    if heldout is not None:
-        evaluate_greedily(trainer)
+    if heldout is not None:  # greedy with HF generate; vLLM samples at the training temperature
+        decoding = "greedy" if evaluate_greedily(trainer) else f"sampled at T={training_args.temperature}"
+        summary.heldout_note = f"{decoding}, {len(heldout)} prompts"
     result = trainer.train(resume_from_checkpoint=checkpoint)
     evaluated = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
     if heldout is not None and script_args.heldout_size > 0 and evaluated[-1:] != [trainer.state.global_step]:

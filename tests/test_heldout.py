@@ -103,3 +103,14 @@ def test_summary_and_curves_show_heldout_accuracy_before_and_after(tmp_path):
     assert "held-out accuracy (greedy, 8 prompts) 0.12 (step 0) -> 0.62 (step 2)" in summary.summary("out")
     assert plot_curves(history, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_vllm_evaluation_stays_sampled():
+    class VLLMTrainer:  # TRL builds no generation_config under vLLM
+        use_vllm = True
+
+        def evaluate(self):
+            return "sampled"
+
+    trainer = VLLMTrainer()
+    assert evaluate_greedily(trainer) is False and trainer.evaluate() == "sampled"

@@ -45,10 +45,13 @@ def greedy_decoding(trainer: Any) -> Iterator[None]:
             kwargs.update(saved_kwargs)
 
 
-def evaluate_greedily(trainer: Any) -> None:
+def evaluate_greedily(trainer: Any) -> bool:
     """Make `trainer.evaluate` (the evaluations of `eval_strategy`, `eval_on_start` and explicit calls) decode
-    greedily with HF generate. vLLM takes its sampling settings from the trainer's arguments, not from
-    `generation_config`: its evaluation stays sampled at the training temperature."""
+    greedily with HF generate; returns whether it does. vLLM takes its sampling settings from the trainer's
+    arguments, not from a `generation_config` (TRL builds none then): its evaluation stays sampled at the training
+    temperature, and `False` is returned."""
+    if getattr(trainer, "use_vllm", False) or getattr(trainer, "generation_config", None) is None:
+        return False
     evaluate = trainer.evaluate
 
     @functools.wraps(evaluate)
@@ -57,3 +60,4 @@ def evaluate_greedily(trainer: Any) -> None:
             return evaluate(*args, **kwargs)
 
     trainer.evaluate = greedy
+    return True
