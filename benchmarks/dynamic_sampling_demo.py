@@ -28,8 +28,14 @@ def load(run_dir: str) -> dict:
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in records if "step_time" in r]
     heldout = [(r["step"], heldout_value(r)) for r in records if heldout_value(r) is not None]
+    # minutes of training and evaluation (step times + eval runtimes; no start-up) when each evaluation ended
+    clock, heldout_minutes = 0.0, []
+    for r in records:
+        clock += r.get("step_time", 0.0) + r.get("eval_runtime", 0.0)
+        if heldout_value(r) is not None:
+            heldout_minutes.append(clock / 60)
     group = 8  # num_generations of the demo
-    generated = [r.get("dynamic_sampling/groups_generated", 2) * group for r in steps]
+    generated = [int(r.get("dynamic_sampling/groups_generated", 2)) * group for r in steps]
     out = {
         "steps": [r["step"] for r in steps],
         "reward": [r["rewards/accuracy_reward/mean"] for r in steps],
@@ -38,6 +44,7 @@ def load(run_dir: str) -> dict:
         "kept": [r.get("dynamic_sampling/groups_kept") for r in steps],
         "step_time": sum(r["step_time"] for r in steps),
         "heldout": heldout,
+        "heldout_minutes": heldout_minutes,
     }
     time_file = os.path.join(run_dir, "time.txt")
     if os.path.exists(time_file):
@@ -50,12 +57,12 @@ def load(run_dir: str) -> dict:
 def row(name: str, run: dict) -> str:
     k = min(K, len(run["reward"]))
     first, last = sum(run["reward"][:k]) / k, sum(run["reward"][-k:]) / k
-    h0, h1 = run["heldout"][0][1], run["heldout"][-1][1]
+    evals = ", ".join(f"{h:.2f} (step {s}, {m:.0f} min)" for (s, h), m in zip(run["heldout"], run["heldout_minutes"]))
     kept = [x for x in run["kept"] if x is not None]
-    kept_text = f"{sum(kept)}/{len(kept) * 2}" if kept else "–"
+    kept_text = f"{int(sum(kept))}/{len(kept) * 2}" if kept else "–"
     timing = f"{run['elapsed'] / 60:.1f} / {run['cpu'] / 60:.1f}" if "cpu" in run else "–"
     return (
-        f"| {name} | {h0:.2f} → {h1:.2f} | {first:.2f} → {last:.2f} | {run['completions'][-1]} | "
+        f"| {name} | {evals} | {first:.2f} → {last:.2f} | {run['completions'][-1]} | "
         f"{sum(run['zero_std']) / len(run['zero_std']):.2f} | {kept_text} | {run['step_time'] / 60:.1f} | {timing} |"
     )
 
@@ -90,8 +97,9 @@ def main() -> None:
     cli = parser.parse_args()
     runs = {"without dynamic sampling": load(cli.off), "with dynamic sampling": load(cli.on)}
     print(
-        "| run | held-out accuracy, start → end | training accuracy, first 8 → last 8 steps | completions generated "
-        "| mean frac_reward_zero_std | groups kept / needed | sum of step times (min) | wall / CPU time (min) |"
+        "| run | held-out accuracy (step, minutes of steps + evaluations) | training accuracy, first 8 → last 8 "
+        "steps | completions generated | mean frac_reward_zero_std | groups kept / needed | sum of step times (min) "
+        "| wall / CPU time (min) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
