@@ -144,6 +144,30 @@ class FixedWithLogprobs(FixedCompletions):
         return completions, logprobs
 
 
+class StatelessCompletions(FixedCompletions):
+    """Fixed completions that depend only on the prompt and the occurrence in its group, not on how often the prompt
+    was seen: dynamic sampling draws prompts again, on whichever rank, so 1 and 2 processes see the same data."""
+
+    def __call__(self, *args, **kwargs):
+        self.seen = {}
+        return super().__call__(*args, **kwargs)
+
+
+class StatelessWithLogprobs(StatelessCompletions, FixedWithLogprobs):
+    """`StatelessCompletions` with `FixedWithLogprobs`' rollout log-probs."""
+
+
+def is_constant_prompt(prompt: str) -> bool:
+    """The prompts `Q<n>: ...` (of the tests' `make_dataset`s) with `n % 3 == 0`: `reward_length_or_constant` gives
+    their groups one reward (zero variance)."""
+    return int(prompt[1 : prompt.index(":")]) % 3 == 0
+
+
+def reward_length_or_constant(prompts, completions, **kwargs):
+    """`reward_length`, except 0.5 for every completion of a prompt `is_constant_prompt` chooses."""
+    return [0.5 if is_constant_prompt(p) else float(len(c)) / 8.0 for p, c in zip(prompts, completions)]
+
+
 def patch_generation(trainer, tokenizer) -> None:
     trainer._generate_single_turn = FixedCompletions(tokenizer, trainer.max_completion_length)
 

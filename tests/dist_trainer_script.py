@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
+    StatelessCompletions,
     finish_distributed,
     make_dataset,
     make_model,
@@ -22,6 +23,7 @@ from _trainer_utils import (  # noqa: E402
     patch_generation,
     reward_digit,
     reward_length,
+    reward_length_or_constant,
     trainable_snapshot,
 )
 
@@ -37,6 +39,9 @@ def main() -> None:
     parser.add_argument("--num-iterations", type=int, default=1)
     parser.add_argument("--rl-loss", default='{"policy_loss_cfg": {"loss_type": "vanilla"}}')
     parser.add_argument("--eval-only", action="store_true", help="evaluate the untrained model, save the metrics")
+    parser.add_argument(
+        "--dynamic-sampling-max-rounds", type=int, default=0, help="> 0: dynamic sampling, constant-reward prompts"
+    )
     cli = parser.parse_args()
     torch.set_num_threads(1)
     tok = make_tokenizer()
@@ -50,16 +55,21 @@ def main() -> None:
         num_iterations=cli.num_iterations,
         optim="sgd",
         rl_loss=cli.rl_loss,
+        dynamic_sampling=cli.dynamic_sampling_max_rounds > 0,
+        dynamic_sampling_max_rounds=max(cli.dynamic_sampling_max_rounds, 1),
     )
+    dynamic = cli.dynamic_sampling_max_rounds > 0
     trainer = RLLossGRPOTrainer(
         model,
-        [reward_length, reward_digit],
+        [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
         args=args,
         train_dataset=make_dataset(),
         eval_dataset=make_dataset(8) if cli.eval_only else None,
         processing_class=tok,
     )
     patch_generation(trainer, tok)
+    if dynamic:  # prompts are drawn again, on either rank: completions must not depend on how often one was seen
+        trainer._generate_single_turn = StatelessCompletions(tok, trainer.max_completion_length)
     if cli.eval_only:
         metrics = trainer.evaluate()
         if trainer.accelerator.is_main_process:
@@ -69,7 +79,8 @@ def main() -> None:
     trainer.train()
     if trainer.accelerator.is_main_process:
         history = [
-            {k: v for k, v in h.items() if k.startswith(("loss", "train_policy/"))} for h in trainer.state.log_history
+            {k: v for k, v in h.items() if k.startswith(("loss", "train_policy/", "dynamic_sampling/"))}
+            for h in trainer.state.log_history
         ]
         torch.save(
             {

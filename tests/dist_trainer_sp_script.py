@@ -19,10 +19,13 @@ from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
     FixedWithLogprobs,
+    StatelessCompletions,
+    StatelessWithLogprobs,
     finish_distributed,
     make_tokenizer,
     reward_digit,
     reward_length,
+    reward_length_or_constant,
     trainable_snapshot,
 )
 from datasets import Dataset  # noqa: E402
@@ -50,6 +53,12 @@ CASES = {
         {},
         True,
     ),
+    # dynamic sampling (prompts n % 3 == 0 have one reward: their groups are dropped, refills) with token rollout IS
+    "dynamic_sampling": (
+        {"rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0}},
+        {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 3},
+        True,
+    ),
 }
 
 
@@ -64,6 +73,7 @@ PREFIXES = (
     "entropy",
     "policy_loss",
     "kl",
+    "dynamic_sampling/",
 )
 
 
@@ -175,15 +185,18 @@ def main() -> None:
             **extra,
         )
         RecordingTrainer.packed_lengths = []
+        dynamic = extra.get("dynamic_sampling", False)
         trainer = RecordingTrainer(
             make_model(tok),
-            [reward_length, reward_digit],
+            [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
             args=args,
             train_dataset=make_dataset(),
             eval_dataset=make_dataset(4) if name == "vanilla" else None,
             processing_class=tok,
         )
         generator = FixedWithLogprobs if with_logprobs else FixedCompletions
+        if dynamic:  # prompts are drawn again, on any rank: completions must not depend on how often one was seen
+            generator = StatelessWithLogprobs if with_logprobs else StatelessCompletions
         trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
         trainer.train()
         lengths = torch.tensor(RecordingTrainer.packed_lengths, dtype=torch.long)

@@ -2,6 +2,7 @@
 under `accelerate launch` with 2 processes."""
 
 import json
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -97,3 +98,8 @@ def test_smoke_recipe_with_two_processes(tmp_path, config):
         assert all(key in log for log in steps), key
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2
+    # held-out accuracy (greedy) at the start and the end, in the metrics and the summary line
+    heldout = [log["step"] for log in logs if "eval_rewards/accuracy_reward/mean" in log]
+    assert heldout == [0, 2], heldout
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("run summary:")]
+    assert re.search(r"held-out accuracy \(greedy, 8 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\)", line), line

@@ -85,7 +85,8 @@ def test_sequence_parallel_matches_one_process(runs, name):
     reference, result = runs("one"), runs(name)
     assert reference["world_size"] == 1 and result["world_size"] == RUNS[name][0]
     initial = _initial_params()
-    assert reference["cases"].keys() == result["cases"].keys() == {"vanilla", "gspo", "rollout_is_seq"}
+    cases = {"vanilla", "gspo", "rollout_is_seq", "dynamic_sampling"}
+    assert reference["cases"].keys() == result["cases"].keys() == cases
     for case, ref in reference["cases"].items():
         got = result["cases"][case]
         # the one-process reference trains packed (packing's default, shared_prefix: docs/packing.md)
@@ -123,6 +124,10 @@ def test_sequence_parallel_matches_one_process(runs, name):
     first = [h for h in result["cases"]["rollout_is_seq"]["history"] if "loss" in h][0]
     assert 0 < first["rollout_is/seq_masked_fraction"] < 1
     assert first["rollout_is/masked_fraction"] > 0 and "train_policy/ref_kl" in first
+    # dynamic sampling refilled and dropped groups alike (the metrics were compared above), with rollout IS
+    first = [h for h in result["cases"]["dynamic_sampling"]["history"] if "loss" in h][0]
+    assert first["dynamic_sampling/rounds"] > 1 and first["dynamic_sampling/groups_kept"] == 4, first
+    assert "rollout_is/mean" in first
 
 
 @pytest.mark.distributed

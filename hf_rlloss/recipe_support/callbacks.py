@@ -17,6 +17,17 @@ CURVES = {
 }
 # noisy per-step curves also drawn as a trailing moving average over this many steps
 SMOOTHED = {"reward": 8}
+# the held-out accuracy (TRL's evaluation of the eval dataset: the accuracy reward, else the total reward), drawn as
+# large markers on the reward panel and reported by the run summary
+HELDOUT_KEYS = ("eval_rewards/accuracy_reward/mean", "eval_reward")
+
+
+def heldout_value(logs: dict) -> float | None:
+    """The held-out accuracy in a log record (the first of `HELDOUT_KEYS` it has), else `None`."""
+    for key in HELDOUT_KEYS:
+        if key in logs:
+            return float(logs[key])
+    return None
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -36,6 +47,7 @@ class MetricsPlotCallback(TrainerCallback):
     def __init__(self, output_dir: str | None = None):
         self.output_dir = output_dir
         self.history: list[dict] = []
+        self.train_ended = False
 
     def _dir(self, args) -> str:
         return self.output_dir or args.output_dir
@@ -50,8 +62,14 @@ class MetricsPlotCallback(TrainerCallback):
             f.write(json.dumps(record) + "\n")
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.train_ended = True
         if state.is_world_process_zero and self.history:
             plot_curves(self.history, os.path.join(self._dir(args), "training_curves.png"))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        # an evaluation after training (the recipe's final held-out one): draw the curves again with it
+        if self.train_ended:
+            self.on_train_end(args, state, control, **kwargs)
 
 
 def plot_curves(history: list[dict], path: str) -> str:
@@ -73,6 +91,9 @@ def plot_curves(history: list[dict], path: str) -> str:
                 ax.plot(steps, moving_average(list(values), window), linewidth=2, label=f"{key} ({window}-step mean)")
             if points:
                 break
+        heldout = [(r["step"], heldout_value(r)) for r in history if heldout_value(r) is not None]
+        if title == "reward" and heldout:
+            ax.plot(*zip(*heldout), marker="D", markersize=8, linestyle="--", color="black", label="held-out accuracy")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -97,17 +118,29 @@ class RunSummaryCallback(TrainerCallback):
         step_time_key (`str`, *optional*, defaults to `"step_time"`):
             The logged step time (TRL's async trainer: `"perf/step_s"`, absent on its first step); a training step's
             log is one with it or with a `loss`.
+        heldout_note (`str`, *optional*, defaults to `""`):
+            How the held-out accuracy was measured (e.g. ``"greedy, 64 prompts"``), shown next to it.
     """
 
-    def __init__(self, k: int = 8, reward_key: str = "rewards/accuracy_reward/mean", step_time_key: str = "step_time"):
+    def __init__(
+        self,
+        k: int = 8,
+        reward_key: str = "rewards/accuracy_reward/mean",
+        step_time_key: str = "step_time",
+        heldout_note: str = "",
+    ):
         self.k = k
         self.reward_key = reward_key
         self.step_time_key = step_time_key
         self.rewards: list[float] = []
         self.step_times: list[float] = []
+        self.heldout: list[tuple[int, float]] = []  # (step, held-out accuracy) of each evaluation
+        self.heldout_note = heldout_note
         self.summarized_key = reward_key
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and heldout_value(logs) is not None:
+            self.heldout.append((state.global_step, heldout_value(logs)))
         if not logs or (self.step_time_key not in logs and "loss" not in logs):  # only training steps' logs
             return
         if self.step_time_key in logs:
@@ -127,6 +160,10 @@ class RunSummaryCallback(TrainerCallback):
         if k:
             first, last = sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
             parts.append(f"{name} {first:.2f} (first {k} steps) -> {last:.2f} (last {k} steps)")
+        if self.heldout:
+            (first_step, first), (last_step, last) = self.heldout[0], self.heldout[-1]
+            note = f" ({self.heldout_note})" if self.heldout_note else ""
+            parts.append(f"held-out accuracy{note} {first:.2f} (step {first_step}) -> {last:.2f} (step {last_step})")
         if n:
             parts.append(f"mean step time {sum(self.step_times) / n:.2f} s over {n} steps")
         if curves:

@@ -6,22 +6,69 @@ from __future__ import annotations
 import random
 import re
 
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 
 ARITHMETIC = "builtin:arithmetic"
 PROMPT = "What is {question}? Reply with only the number."
 
 
-def arithmetic_dataset(size: int = 512, seed: int = 0, max_operand: int = 20, operations: str = "+") -> Dataset:
-    """`size` problems ``a op b`` with operands in `[0, max_operand]`: a chat `prompt` and the numeric `answer`."""
+def _problem(a: int, b: int, op: str) -> dict:
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"prompt": [{"role": "user", "content": PROMPT.format(question=f"{a} {op} {b}")}], "answer": answer}
+
+
+def operand_pair(a: int, b: int) -> tuple[int, int]:
+    """The unordered operand pair of ``a op b`` (``3 + 5`` and ``5 + 3`` are one pair)."""
+    return min(a, b), max(a, b)
+
+
+def arithmetic_dataset(
+    size: int = 512,
+    seed: int = 0,
+    max_operand: int = 20,
+    operations: str = "+",
+    exclude: frozenset[tuple[int, int]] = frozenset(),
+) -> Dataset:
+    """`size` problems ``a op b`` with operands in `[0, max_operand]`: a chat `prompt` and the numeric `answer`.
+
+    Args:
+        exclude (`frozenset[tuple[int, int]]`, *optional*): unordered operand pairs (`operand_pair`) never drawn,
+            in either order (the held-out pairs of `arithmetic_splits`); the draws are otherwise those without it.
+    """
     rng = random.Random(seed)
     rows = []
-    for _ in range(size):
+    while len(rows) < size:
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(operations)
-        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-        question = f"{a} {op} {b}"
-        rows.append({"prompt": [{"role": "user", "content": PROMPT.format(question=question)}], "answer": answer})
+        if operand_pair(a, b) not in exclude:
+            rows.append(_problem(a, b, op))
     return Dataset.from_list(rows)
+
+
+def arithmetic_splits(
+    size: int = 512, heldout_size: int = 64, seed: int = 0, max_operand: int = 20, operations: str = "+"
+) -> DatasetDict:
+    """A `train` split of `size` problems and a `test` split of `heldout_size` problems whose operand pairs (in
+    either order) never occur in `train`: one problem per held-out pair, so held-out accuracy measures what the
+    policy learned about addition rather than problems it saw.
+
+    Args:
+        size (`int`, *optional*, defaults to `512`): training problems (drawn with repeats, as `arithmetic_dataset`).
+        heldout_size (`int`, *optional*, defaults to `64`): held-out problems, each a distinct operand pair; at most
+            half the `(max_operand + 1)(max_operand + 2) / 2` unordered pairs, so that training keeps most of them.
+        seed (`int`), max_operand (`int`), operations (`str`): as `arithmetic_dataset`.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(a, max_operand + 1)]
+    if not 0 <= heldout_size <= len(pairs) // 2:
+        raise ValueError(
+            f"heldout_size={heldout_size} must be in [0, {len(pairs) // 2}]: half of the {len(pairs)} operand pairs "
+            f"with max_operand={max_operand}"
+        )
+    rng = random.Random(seed + 1)  # the held-out draw does not shift the training draws of `seed`
+    heldout = rng.sample(pairs, heldout_size)
+    rows = [_problem(*(pair if rng.random() < 0.5 else pair[::-1]), rng.choice(operations)) for pair in heldout]
+    train = arithmetic_dataset(size, seed, max_operand, operations, exclude=frozenset(heldout))
+    test = Dataset.from_list(rows, features=train.features) if rows else train.select([])
+    return DatasetDict({"train": train, "test": test})
 
 
 def _gsm8k_answer(text: str) -> float:

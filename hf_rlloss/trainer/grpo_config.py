@@ -293,6 +293,18 @@ class RLLossGRPOConfig(GRPOConfig):
             that cannot be packed exactly is forwarded padded, with a log line saying why (vision-language models;
             an MoE router loss turns `"shared_prefix"` into `"padding_free"`). See docs/packing.md.
 
+        dynamic_sampling (`bool`, *optional*, defaults to `False`):
+            DAPO's dynamic sampling: after scoring a generation batch, drop the groups whose rewards are all equal
+            (zero advantage: no policy gradient) and generate further rounds from fresh prompts until a full
+            generation batch of groups with signal is kept, or `dynamic_sampling_max_rounds` rounds were generated;
+            the step then trains on the groups kept (fewer when short; none kept: the last round, unfiltered). The
+            extra prompts come from a second shuffled stream over `train_dataset`, so a step consumes more prompts
+            than `generation_batch_size / num_generations` while epochs still count the trainer's own batches. Logs
+            `dynamic_sampling/{rounds,groups_generated,groups_kept,prompts_consumed,starved}`; see
+            docs/dynamic_sampling.md.
+        dynamic_sampling_max_rounds (`int`, *optional*, defaults to `3`):
+            The most generation rounds per generation batch under `dynamic_sampling` (the first included); >= 1.
+
         activation_checkpointing (`bool`, *optional*, defaults to `True`):
             TRL's default for activation (gradient) checkpointing, under transformers 5's name; the deprecated
             `gradient_checkpointing` still works (with transformers' FutureWarning).
@@ -382,11 +394,27 @@ class RLLossGRPOConfig(GRPOConfig):
         },
     )
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop the groups whose rewards are all equal and generate more rounds "
+            "from fresh prompts until the generation batch is full of groups with signal, or "
+            "dynamic_sampling_max_rounds is reached (see docs/dynamic_sampling.md)."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=3,
+        metadata={"help": "The most generation rounds per generation batch under dynamic_sampling (>= 1)."},
+    )
+
     def __post_init__(self):
         if not isinstance(self.skip_nonfinite_grad_steps, int) or self.skip_nonfinite_grad_steps < 0:
             raise ValueError(f"skip_nonfinite_grad_steps={self.skip_nonfinite_grad_steps!r} must be an integer >= 0")
         if self.packing not in PACKING_MODES:
             raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
+        rounds = self.dynamic_sampling_max_rounds
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+            raise ValueError(f"dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1")
         if self.rollout_logprobs is not None:
             warnings.warn(
                 "RLLossGRPOConfig: rollout_logprobs is deprecated and will be removed; use record_rollout_logprobs "

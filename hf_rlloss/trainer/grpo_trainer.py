@@ -38,6 +38,7 @@ from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from ..recipe_support.hub import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
 from .checkpoints import CompleteCheckpoints
+from .dynamic_sampling import DynamicSampling
 from .engines import (
     activation_checkpointing_disabled,
     prepare_reference,
@@ -114,7 +115,7 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, GRPOTrainer):
+class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, DynamicSampling, GRPOTrainer):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
@@ -272,6 +273,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             self._setup_sequence_parallel(unwrapped)
         self._setup_packing(args, unwrapped)
         self.ref_model = self._build_reference(reference)
+        self._setup_dynamic_sampling()
         if args.sync_ref_model:
             if not self.rl_loss_config.use_kl_loss:
                 raise ValueError("sync_ref_model=True needs a reference: set rl_loss.use_kl_loss=true")
@@ -377,11 +379,18 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         # TRL override: TRL's look-ahead buffer `_buffered_inputs` holds the generation batch's micro-batches; at an
         # optimizer step's first micro-batch the contexts of the step's micro-batches are built from it together
         # (`_build_step_contexts`), and each reaches `_compute_loss` through `inputs["rl_loss_context"]`.
+        dynamic = self.args.dynamic_sampling and self.model.training  # see dynamic_sampling.py
         if self.sp_mesh is None:
-            inputs = super()._prepare_inputs(generation_batch)
+            inputs = (
+                self._dynamic_sampling_inputs(generation_batch)
+                if dynamic
+                else super()._prepare_inputs(generation_batch)
+            )
         else:
             with ulysses_sequence_parallel(None):  # generation and scoring: no SP attention (see training_step)
-                if self.model.training:
+                if dynamic:
+                    inputs = self._dynamic_sampling_inputs(generation_batch)
+                elif self.model.training:
                     inputs = self._sp_buffered_inputs(generation_batch)
                 else:
                     inputs = super()._prepare_inputs(generation_batch)
@@ -414,10 +423,12 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         if mode != GenerationMode.SAMPLE:
             # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
             # one per-token distribution (beams are re-ranked and re-ordered), so there is no log-prob to record.
-            logger.warning_once(
-                f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: no "
-                "rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
-            )
+            # Said in training only: an evaluation may decode greedily (the recipes' held-out accuracy).
+            if self.model.training:
+                logger.warning_once(
+                    f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: "
+                    "no rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
+                )
             return generate(*inputs)
         recorder = SampledTokenLogprobs()
         with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):

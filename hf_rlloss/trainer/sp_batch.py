@@ -21,7 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..loss.fields import pad_value
 from ..parallel.sequence import sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
 
-__all__ = ["PackedRows", "SPMicroBatch", "pack_rows", "pool_fill_value", "pool_over_group", "shared_permutation"]
+__all__ = [
+    "PackedRows",
+    "SPMicroBatch",
+    "pack_rows",
+    "pad_rows_to_length",
+    "pool_fill_value",
+    "pool_over_group",
+    "shared_permutation",
+]
 
 
 class PackedRows(NamedTuple):
@@ -151,6 +159,17 @@ def pool_fill_value(key: str, pad_token_id: int) -> float:
     return 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
 
 
+def pad_rows_to_length(key: str, value: torch.Tensor, length: int, pad_token_id: int) -> torch.Tensor:
+    """`(B, length, ...)`: the `(B, C, ...)` value of TRL batch key `key` padded with `pool_fill_value`, on the left
+    for prompts (TRL left-pads them), on the right otherwise; unchanged when already `length` long."""
+    if value.shape[1] >= length:
+        return value
+    filler = value.new_full(
+        (value.shape[0], length - value.shape[1], *value.shape[2:]), pool_fill_value(key, pad_token_id)
+    )
+    return torch.cat([filler, value] if key.startswith("prompt_") else [value, filler], dim=1)
+
+
 def pool_over_group(batch: dict[str, Any], sp_mesh: DeviceMesh, pad_token_id: int) -> dict[str, Any]:
     """The batches of this rank's SP group, concatenated in rank order (the same on every rank; collective).
 
@@ -174,11 +193,8 @@ def pool_over_group(batch: dict[str, Any], sp_mesh: DeviceMesh, pad_token_id: in
     out = dict(batch)
     for key, length in zip(keys, lengths.tolist()):
         value = batch[key]
-        if value.dim() > 1 and value.shape[1] < length:
-            filler = value.new_full(
-                (rows, length - value.shape[1], *value.shape[2:]), pool_fill_value(key, pad_token_id)
-            )
-            value = torch.cat([filler, value] if key.startswith("prompt_") else [value, filler], dim=1)
+        if value.dim() > 1:
+            value = pad_rows_to_length(key, value, length, pad_token_id)
         value = value.contiguous()
         shards = [torch.empty_like(value) for _ in range(sp_world_size(sp_mesh))]
         dist.all_gather(shards, value, group=group)

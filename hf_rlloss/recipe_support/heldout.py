@@ -1,0 +1,63 @@
+"""Held-out evaluation in the recipes: TRL's evaluation loop, decoding greedily.
+
+`RLLossGRPOTrainer.evaluate` generates one batch of completions for the eval dataset and logs its rewards
+(`eval_rewards/<function>/mean`, `eval_reward`). With sampling at the training temperature and one completion per
+prompt, the held-out accuracy of 64 prompts would move by several points from run to run; greedy decoding gives the
+policy's most likely answer, a stable measure of what it learned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+# GenerationConfig attributes that only matter when sampling (unset while decoding greedily)
+_SAMPLING_SETTINGS = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "min_p": None}
+
+
+@contextlib.contextmanager
+def greedy_decoding(trainer: Any) -> Iterator[None]:
+    """The trainer's HF generation decoding greedily inside the block, restored after: TRL passes its
+    `generation_config` to `generate` and, to override the model's own generation config, its `generation_kwargs`;
+    both are changed. Greedy tokens are not draws from a distribution, so they have no rollout log-probs: the
+    evaluation loss is computed without rollout importance sampling (`rl_loss.rollout_is` metrics only)."""
+    loss_config = getattr(trainer, "rl_loss_config", None)
+    if loss_config is not None and loss_config.rollout_is.enabled:
+        trainer.rl_loss_config = loss_config.model_copy(update={"rollout_is": type(loss_config.rollout_is)()})
+    config, kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
+    saved_config = {name: getattr(config, name, None) for name in _SAMPLING_SETTINGS}
+    saved_kwargs = dict(kwargs) if isinstance(kwargs, dict) else None
+    for name, value in _SAMPLING_SETTINGS.items():
+        setattr(config, name, value)
+        if saved_kwargs is not None and name in kwargs:
+            kwargs[name] = value
+    try:
+        yield
+    finally:
+        if loss_config is not None:
+            trainer.rl_loss_config = loss_config
+        for name, value in saved_config.items():
+            setattr(config, name, value)
+        if saved_kwargs is not None:
+            kwargs.clear()
+            kwargs.update(saved_kwargs)
+
+
+def evaluate_greedily(trainer: Any) -> bool:
+    """Make `trainer.evaluate` (the evaluations of `eval_strategy`, `eval_on_start` and explicit calls) decode
+    greedily with HF generate; returns whether it does. vLLM takes its sampling settings from the trainer's
+    arguments, not from a `generation_config` (TRL builds none then): its evaluation stays sampled at the training
+    temperature, and `False` is returned."""
+    if getattr(trainer, "use_vllm", False) or getattr(trainer, "generation_config", None) is None:
+        return False
+    evaluate = trainer.evaluate
+
+    @functools.wraps(evaluate)
+    def greedy(*args, **kwargs):
+        with greedy_decoding(trainer):
+            return evaluate(*args, **kwargs)
+
+    trainer.evaluate = greedy
+    return True
