@@ -19,6 +19,7 @@ from hf_rlloss import GRPOLossConfig  # noqa: E402
 
 RECIPES = sorted((ROOT / "recipes").rglob("config_*.yaml"))
 
+
 def _valid_keys(path: Path) -> set[str]:
     """The fields of the dataclasses the YAML's recipe parses: `grpo_async.py` for `config_async*`, else `grpo.py`."""
     if path.name.startswith("config_async"):
