@@ -26,7 +26,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import hub_origin, resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
-from hf_rlloss.recipe_support.heldout import evaluate_greedily
+from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
 from hf_rlloss.trainer.checkpoints import latest_complete_checkpoint
@@ -133,10 +133,13 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     # Stage 5: train, with the held-out accuracy (greedy) at the start and the end
     heldout = heldout_split(script_args, dataset, training_args.eval_strategy)
     if heldout is not None and script_args.heldout_size > 0:
-        training_args.eval_on_start = True  # the "before" of held-out accuracy; the "after" follows train()
+        training_args.eval_on_start = True  # the "before" of held-out accuracy; EvaluateAtTheEnd gives the "after"
         if training_args.num_generations_eval is None:  # greedy: more completions per prompt would be copies
             training_args.num_generations_eval = 1
     summary = RunSummaryCallback()
+    callbacks = [summary, MetricsPlotCallback()] if script_args.plot else [summary]
+    if heldout is not None and script_args.heldout_size > 0:
+        callbacks.append(EvaluateAtTheEnd())  # the "after" of held-out accuracy, inside the run
     trainer = RLLossGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -145,15 +148,12 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         eval_dataset=heldout,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[summary, MetricsPlotCallback()] if script_args.plot else [summary],
+        callbacks=callbacks,
     )
     if heldout is not None:  # greedy with HF generate; vLLM samples at the training temperature
         decoding = "greedy" if evaluate_greedily(trainer) else f"sampled at T={training_args.temperature}"
         summary.heldout_note = f"{decoding}, {len(heldout)} prompts"
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    evaluated = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
-    if heldout is not None and script_args.heldout_size > 0 and evaluated[-1:] != [trainer.state.global_step]:
-        trainer.evaluate()
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()

@@ -54,25 +54,28 @@ def kill_tree(pid: int) -> list[int]:
     return [proc.pid for proc in procs]
 
 
-def run(cmd: list[str], timeout: float, cwd=None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `cmd` (stdout discarded, stderr captured); after `timeout` s kill it and all its workers and fail."""
-    return run_all([cmd], timeout, cwd, env)[0]
+def run(
+    cmd: list[str], timeout: float, cwd=None, env: dict | None = None, stdout: bool = False
+) -> subprocess.CompletedProcess:
+    """Run `cmd` (stderr captured, stdout too with `stdout=True`, else discarded); after `timeout` s kill it and all
+    its workers and fail."""
+    return run_all([cmd], timeout, cwd, env, stdout)[0]
 
 
-def run_all(cmds: list[list[str]], timeout: float, cwd=None, env: dict | None = None) -> list:
+def run_all(cmds: list[list[str]], timeout: float, cwd=None, env: dict | None = None, stdout: bool = False) -> list:
     """Run `cmds` concurrently (e.g. the machine ranks of a multi-node launch); after `timeout` s for all of them
-    kill each with all its workers and fail. Returns their `CompletedProcess` (stderr captured, in a file so that
-    no pipe can fill up while the others run)."""
+    kill each with all its workers and fail. Returns their `CompletedProcess` (stderr, and stdout with
+    `stdout=True`, captured in files so that no pipe can fill up while the others run)."""
     env = {**os.environ, **LAUNCH_ENV, **(env or {})}
-    procs, logs = [], []
+    procs, logs, outs = [], [], []
     try:
         for cmd in cmds:
             log = tempfile.TemporaryFile(mode="w+")
             logs.append(log)
+            out = tempfile.TemporaryFile(mode="w+") if stdout else subprocess.DEVNULL
+            outs.append(out)
             procs.append(
-                subprocess.Popen(
-                    cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True
-                )
+                subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=log, text=True, start_new_session=True)
             )
         deadline = time.monotonic() + timeout
         for proc in procs:
@@ -87,9 +90,14 @@ def run_all(cmds: list[list[str]], timeout: float, cwd=None, env: dict | None = 
             if proc.poll() is None:
                 kill_tree(proc.pid)
     results = []
-    for cmd, proc, log in zip(cmds, procs, logs):
+    for cmd, proc, log, out in zip(cmds, procs, logs, outs):
         log.seek(0)
-        results.append(subprocess.CompletedProcess(cmd, proc.returncode, None, log.read()))
+        printed = None
+        if stdout:
+            out.seek(0)
+            printed = out.read()
+            out.close()
+        results.append(subprocess.CompletedProcess(cmd, proc.returncode, printed, log.read()))
         log.close()
     return results
 

@@ -95,7 +95,7 @@ def test_smoke_recipe_with_two_processes(tmp_path, config):
         ROOT / "recipes/grpo.py",
         *["--config", str(ROOT / "recipes/tiny/arithmetic" / config), "--output_dir", str(out)],
     )
-    result = _launch.run(cmd, timeout=480, cwd=ROOT, env={"HF_RLLOSS_CACHE": str(tmp_path / "cache")})
+    result = _launch.run(cmd, timeout=480, cwd=ROOT, env={"HF_RLLOSS_CACHE": str(tmp_path / "cache")}, stdout=True)
     assert result.returncode == 0, result.stderr[-4000:]
     for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md", "metrics.jsonl"):
         assert (out / name).exists(), name

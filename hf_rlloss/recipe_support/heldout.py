@@ -13,6 +13,8 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+from transformers import TrainerCallback
+
 # GenerationConfig attributes that only matter when sampling (unset while decoding greedily)
 _SAMPLING_SETTINGS = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "min_p": None}
 
@@ -61,3 +63,17 @@ def evaluate_greedily(trainer: Any) -> bool:
 
     trainer.evaluate = greedy
     return True
+
+
+class EvaluateAtTheEnd(TrainerCallback):
+    """Evaluate after the last optimizer step, inside training.
+
+    An `evaluate()` called after `train()` returns runs once the trackers have been closed in `on_train_end`, and
+    TRL's generation profiling then logs to a finished run (trackio raises "Call trackio.init() before
+    trackio.log()"). Asking for the evaluation through the control flow keeps it inside the run.
+    """
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            control.should_evaluate = True
+        return control
