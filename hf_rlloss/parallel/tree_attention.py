@@ -10,7 +10,9 @@ sequence that does not share its prefix.
 TRL ships this attention only as a FlashAttention-3 kernel fetched from the Hub (`tree_fa3`, CUDA only). Here it is
 plain SDPA, segment by segment, so it runs on CPU and on any GPU; `flash_attn`'s varlen kernel is used when it is
 installed and the tensors are on CUDA. Memory: a segment's queries are processed in blocks of at most `QUERY_BLOCK`
-rows, so the largest mask is `QUERY_BLOCK × path length`: no `(packed length)²` term.
+rows, so the largest mask is `QUERY_BLOCK × path length`: no `(packed length)²` term. A root segment (its path is
+itself: a shared prompt, or every sequence of a padding-free row) needs no mask: SDPA's `is_causal`, whose flash
+kernels (CPU and CUDA) tile it.
 """
 
 from __future__ import annotations
@@ -41,12 +43,18 @@ def _segment_sdpa(
     scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, Sq, D)
     """Bottom-right causal attention of one segment's queries to its path's keys."""
     heads, sq, _ = q.shape
     sk = k.shape[1]
     if k.shape[0] != heads:  # GQA/MQA: each KV head serves heads / Hkv query heads
         k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+    # SDPA gets 4-D tensors: with 3-D ones PyTorch's CPU flash kernel is skipped for the math path (2-3x slower).
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if sq == sk and sliding_window is None and softcap is None:
+        # A root segment (its path is itself): plain causal attention, no mask at all (the flash kernels tile it).
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)[0]
     out = []
     for start in range(0, sq, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, sq)
@@ -56,14 +64,19 @@ def _segment_sdpa(
         if sliding_window is not None:
             allowed &= cols > rows - sliding_window
         if softcap is None:
-            out.append(F.scaled_dot_product_attention(q[:, start:stop], k, v, attn_mask=allowed, scale=scaling))
+            block = F.scaled_dot_product_attention(
+                q[:, :, start:stop], k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling
+            )
+            out.append(block[0])
             continue
         # Softcapped scores (Gemma 2): SDPA has no hook for tanh on the scores, so this block is computed explicitly.
+        if dropout:
+            raise ValueError(f"tree attention does not implement attention dropout with softcapping (got {dropout})")
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        scores = (q[:, start:stop] @ k.transpose(-1, -2)) * scale
+        scores = (q[0, :, start:stop] @ k[0].transpose(-1, -2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v)
+        out.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v[0])
     return torch.cat(out, dim=1)
 
 
@@ -77,8 +90,10 @@ def tree_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, N, D)
-    """Exact tree attention of a packed row, segment by segment with SDPA (see the module docstring)."""
+    """Exact tree attention of a packed row, segment by segment with SDPA (see the module docstring); `dropout` is
+    SDPA's `dropout_p` (0 for exactness; the Ulysses attention passes the module's own while training)."""
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(bounds_q) != len(bounds_k):
         raise ValueError(
@@ -94,7 +109,7 @@ def tree_attention(
         if q1 - q0 > k1 - k0:
             raise ValueError(f"tree attention: segment {s} has {q1 - q0} tokens but a path of only {k1 - k0} keys")
         out[:, q0:q1] = _segment_sdpa(
-            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap
+            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap, dropout
         )
     return out
 
