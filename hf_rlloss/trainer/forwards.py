@@ -21,10 +21,12 @@ from transformers import LogitsProcessorList
 from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 
 from ..loss.context import BaseRLLossContext
+from ..parallel.packed_attention import packed_forward
 from ..parallel.ulysses import ulysses_sequence_parallel
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
+from .packing import build_layout, packing_metrics
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
@@ -37,10 +39,16 @@ def prompt_and_completion(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Te
     return input_ids, attention_mask
 
 
+def _padded_tokens(batch: dict[str, Any]) -> int:
+    """`B × (P + C)`: the positions the padded forward of a batch processes."""
+    return batch["prompt_ids"].numel() + batch["completion_ids"].numel()
+
+
 class LossLayerForwards:
     """Hidden states, the LM head, log-probs without gradient and the loss forward of `RLLossGRPOTrainer`."""
 
     _causal_lm = staticmethod(causal_lm)
+    _packing = "off"  # the layout of the training forwards (`RLLossGRPOConfig.packing`, as the trainer resolves it)
 
     def compute_hidden_states(
         self,
@@ -50,6 +58,7 @@ class LossLayerForwards:
         position_ids: torch.Tensor | None = None,
         output_router_logits: bool = False,
         multimodal: dict[str, Any] | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """`(B, L, H)` last hidden states of the backbone (after its final norm), under the accelerator's autocast;
         with `output_router_logits=True` (an MoE backbone), also its router logits: `(hidden, router_logits)`.
@@ -58,7 +67,9 @@ class LossLayerForwards:
         sequence parallelism it gets this rank's shard of a packed row: `attention_mask=None` and the global
         `position_ids` of the shard (restarting at 0 at each packed sequence). A VLM's backbone also gets the
         batch's `multimodal` fields (`multimodal_inputs`: images and the fields TRL built), and computes its own
-        positions where it derives them from the image grid (M-RoPE, see `backbone_inputs`).
+        positions where it derives them from the image grid (M-RoPE, see `backbone_inputs`). A packed row
+        (`RLLossGRPOConfig.packing`) comes as `(1, N)` ids and positions with `attention_mask=None` and the tree
+        attention's `attention_kwargs` (`PackedLayout.attention_kwargs`), to pass on to the backbone.
         """
         backbone = self._causal_lm(unwrapped).base_model
         vision_inputs, our_positions = backbone_inputs(backbone, multimodal)  # VLM
@@ -70,6 +81,7 @@ class LossLayerForwards:
         if output_router_logits:
             extra["output_router_logits"] = True
         extra.update(vision_inputs)  # VLM
+        extra.update(attention_kwargs or {})  # packed row: the tree attention's layout
         with self.accelerator.autocast():
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         if output_router_logits:
@@ -134,28 +146,58 @@ class LossLayerForwards:
         """The LM head's operands and the dtype its GEMMs run in (see `engines.head_operands`)."""
         return head_operands(hidden, weight, self.args.cast_lm_head_to_fp32, self.accelerator.mixed_precision)
 
+    def _completion_hidden_states(
+        self, unwrapped: nn.Module, batch: dict[str, Any], output_router_logits: bool = False
+    ) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
+        """The `(B, C, H)` completion-aligned hidden states of a batch (`out[b, c]` predicts completion token
+        `(b, c)`), from one forward laid out as `self._packing` says (`hf_rlloss.trainer.packing`: one packed row,
+        or the padded `(B, P + C)` batch).
+
+        Returns:
+            `(hidden, router_logits, router_mask, forwarded)`: the hidden states; with `output_router_logits` the
+            router logits (else `None`) and the attention mask over their tokens (`None` for a packed row, where
+            every position is a token); the number of positions forwarded.
+        """
+        vision = multimodal_inputs(batch)  # VLM: never packed (see RLLossGRPOTrainer._setup_packing)
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        mode = "off" if vision else self._packing
+        layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if layout is None:
+            input_ids, attention_mask = prompt_and_completion(batch)
+            out = self.compute_hidden_states(
+                unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
+            )
+            hidden, router_logits = out if output_router_logits else (out, None)
+            length = completion_ids.size(1)
+            return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
+        with packed_forward():
+            out = self.compute_hidden_states(
+                unwrapped, layout.input_ids, None, position_ids=layout.position_ids,
+                output_router_logits=output_router_logits, attention_kwargs=layout.attention_kwargs,
+            )  # fmt: skip
+        hidden, router_logits = out if output_router_logits else (out, None)
+        return layout.completion_hidden(hidden), router_logits, None, layout.forwarded_tokens
+
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
             hidden = self._sp_hidden_states(unwrapped, inputs["sp_micro_batch"])
-        else:
-            input_ids, attention_mask = prompt_and_completion(inputs)
-            length = inputs["completion_ids"].size(1)
-            vision = multimodal_inputs(inputs)  # VLM
-            hidden = self.compute_hidden_states(unwrapped, input_ids, attention_mask, multimodal=vision)
-            hidden = hidden[:, -length - 1 : -1]
-        return self._head_loss(unwrapped, hidden, ctx)
+            return self._head_loss(unwrapped, hidden, ctx)
+        hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs)
+        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+        return loss, {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
 
     def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         """`_loss_forward` for an MoE policy whose router loss is trained (`aux_loss_enabled`): also the model's own
-        `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as TRL computes it."""
-        input_ids, attention_mask = prompt_and_completion(inputs)
-        length = inputs["completion_ids"].size(1)
-        hidden, router_logits = self.compute_hidden_states(
-            unwrapped, input_ids, attention_mask, output_router_logits=True, multimodal=multimodal_inputs(inputs)
+        `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as TRL computes it (packed
+        rows repeat each prompt here: `_setup_packing` turns `"shared_prefix"` into `"padding_free"`)."""
+        hidden, router_logits, mask, forwarded = self._completion_hidden_states(
+            unwrapped, inputs, output_router_logits=True
         )
         lm = self._causal_lm(unwrapped)
-        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
-        loss, metrics = self._head_loss(unwrapped, hidden[:, -length - 1 : -1], ctx)
+        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, mask)
+        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+        metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
         return loss, metrics, aux_loss
 
     def _head_loss(self, unwrapped: nn.Module, hidden: torch.Tensor, ctx: BaseRLLossContext):
@@ -172,10 +214,11 @@ class LossLayerForwards:
         packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
         completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
         if self.sp_mesh is None:
+            batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
+            batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
 
             def forward(unwrapped):
-                hidden = self.compute_hidden_states(unwrapped, ids, mask, multimodal=vision)
-                hidden = hidden[:, -logits_to_keep - 1 : -1]
+                hidden = self._completion_hidden_states(unwrapped, batch)[0]
                 return self._valid_logps(unwrapped, hidden, completion_ids, completion_mask.bool(), truncation)
 
             return self._call_through_wrapper(model, forward)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
+from .packing import PACKING_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +256,15 @@ class RLLossGRPOConfig(GRPOConfig):
             steps_per_generation / sp_size` completions per generation, so `generation_batch_size` is
             `per_device_train_batch_size × (processes / sp_size) × steps_per_generation`.
 
+        packing (`str`, *optional*, defaults to `"shared_prefix"`):
+            The layout of the training forwards (the loss forward, the old and reference log-prob passes,
+            evaluation); generation is unchanged. `"shared_prefix"`: each micro-batch as one row in which every common
+            prefix (a prompt and its G completions) is forwarded once, attended segment by segment so that each token
+            sees exactly its own sequence; `"padding_free"`: each sequence without padding, prompts repeated;
+            `"off"`: the padded batch, as TRL. All three give the same update (to float round-off); a model or batch
+            that cannot be packed exactly is forwarded padded, with a log line saying why (vision-language models;
+            an MoE router loss turns `"shared_prefix"` into `"padding_free"`). See docs/packing.md.
+
         activation_checkpointing (`bool`, *optional*, defaults to `True`):
             TRL's default for activation (gradient) checkpointing, under transformers 5's name; the deprecated
             `gradient_checkpointing` still works (with transformers' FutureWarning).
@@ -325,7 +335,19 @@ class RLLossGRPOConfig(GRPOConfig):
         },
     )
 
+    packing: str = field(
+        default="shared_prefix",
+        metadata={
+            "help": "Layout of the training forwards: 'shared_prefix' (each common prefix, e.g. a prompt shared by "
+            "its G completions, forwarded once; no padding), 'padding_free' (no padding, prompts repeated) or 'off' "
+            "(padded, as TRL). Exact in every mode; see docs/packing.md.",
+            "choices": list(PACKING_MODES),
+        },
+    )
+
     def __post_init__(self):
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
         if self.rollout_logprobs is not None:
             warnings.warn(
                 "RLLossGRPOConfig: rollout_logprobs is deprecated and will be removed; use record_rollout_logprobs "

@@ -33,6 +33,7 @@ from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.fields import FROM_TRL
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..parallel.packed_attention import use_packed_attention
 from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from ..recipe_support.hub import complete_model_card
@@ -267,6 +268,7 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         self._sp_old_logps = "compute"
         if args.sp_size > 1:
             self._setup_sequence_parallel(unwrapped)
+        self._setup_packing(args, unwrapped)
         self.ref_model = self._build_reference(reference)
         if args.sync_ref_model:
             if not self.rl_loss_config.use_kl_loss:
@@ -292,6 +294,8 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
         check_model_supported(source, self.rl_loss_config.logit_softcapping)
         if self.sp_mesh is not None:
             use_ulysses_attention(causal_lm(source), self.args.sp_size, "the reference model")
+        if self._packing != "off":
+            use_packed_attention(causal_lm(source))
         return prepare_reference(source, self)
 
     def _build_truncation_replay(self) -> LogitsProcessorList | None:
@@ -310,6 +314,26 @@ class RLLossGRPOTrainer(LossLayerForwards, GRPOTrainer):
             args.rollout_logprobs_support,
             self.rl_loss_config.rollout_is.enabled,
         )
+
+    def _setup_packing(self, args: RLLossGRPOConfig, unwrapped: nn.Module) -> None:
+        """`self._packing`, the layout of the training forwards (`args.packing` unless it cannot be exact for this
+        model, logged), and the policy on the `"tree_or_<its attention>"` attention when a layout is packed."""
+        mode, reason = args.packing, None
+        config = unwrapped.config.get_text_config()
+        if mode == "off" or self.sp_mesh is not None:
+            mode = "off"  # under SP the micro-batches are packed padding-free by sp_batch (see _sp_pack_batch)
+        elif self._is_vlm:
+            mode, reason = "off", "a vision-language model's forward places image features by sequence"
+        elif getattr(config, "attention_dropout", 0.0):  # a float the attention reads (TRL's disable_dropout keeps it)
+            mode, reason = "off", f"attention_dropout={config.attention_dropout} (the tree attention has none)"
+        elif self.aux_loss_enabled and mode == "shared_prefix":
+            # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
+            mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
+        if reason is not None:
+            logger.warning(f"packing={args.packing!r} -> {mode!r}: {reason}")
+        self._packing = mode
+        if mode != "off":
+            use_packed_attention(self._causal_lm(unwrapped))
 
     def _setup_sequence_parallel(self, unwrapped: nn.Module) -> None:
         """The policy on the Ulysses attention and `self.sp_mesh` (processes % sp_size: `RLLossGRPOConfig`'s check)."""

@@ -1,0 +1,244 @@
+"""Packed training forwards: a TRL micro-batch as one row without padding, and each prompt forwarded once.
+
+TRL's batches are padded: `prompt_ids`/`prompt_mask` `(B, P)` left-padded, `completion_ids`/`completion_mask`
+`(B, C)` right-padded, and GRPO repeats each prompt for its G completions. A padded forward processes `B × (P + C)`
+positions; the tokens that matter are far fewer. `RLLossGRPOConfig.packing` chooses the layout of every training
+forward (the loss forward, the no-gradient old and reference passes, evaluation):
+
+* `"shared_prefix"`: the micro-batch folded into a prefix trie by TRL's `TreeRow` (any common prefix, e.g. a
+  prompt and its G completions, is forwarded once), laid out as one row; attention per segment of the trie
+  (`hf_rlloss.parallel.tree_attention`), so each token sees exactly what it would see in its own row;
+* `"padding_free"`: each sequence's prompt and completion without padding, one after the other (each its own
+  segment, positions from 0);
+* `"off"`: the padded batch, as TRL forwards it.
+
+A `PackedLayout` holds the row (`input_ids`, `position_ids`, the tree attention's keyword arguments) and the map back:
+`completion_index[b, c]` is the packed position whose hidden state predicts completion token `(b, c)` (the position
+of its predecessor). `completion_hidden` turns the row's `(1, N, H)` hidden states into the `(B, C, H)`
+completion-aligned ones the loss layer and the chunked LM head take, by a gather: a shared position (a prompt's last
+token) feeds several completions, and the gather's backward sums their gradients into it.
+
+Exactness: the tokens are those the padded forward attends to (real prompt tokens, then the completion tokens whose
+mask is 1), at the positions it gives them (counted from each row's first real token), each attending to its own
+row's earlier tokens only; hence the same hidden states for every completion token, up to float round-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from ..loss.metrics import Reduction, register_finalizer, register_metric
+from .sp_batch import pack_rows
+
+__all__ = [
+    "PACKING_MODES",
+    "PackedLayout",
+    "build_layout",
+    "layout_fallback_reason",
+    "pack_padding_free",
+    "pack_shared_prefix",
+    "packing_metrics",
+]
+
+logger = logging.get_logger(__name__)
+
+PACKING_MODES = ("shared_prefix", "padding_free", "off")
+
+# The packing metrics: accumulated as sums over the step's micro-batches and ranks (declared without a logged name,
+# so they stay out of the loss layer's metrics table), and logged by `_log_packing_metrics` below.
+_PADDED = "packing_acc/padded_tokens"
+_FORWARDED = "packing_acc/forwarded_tokens"
+register_metric(_PADDED, Reduction.SUM, "positions the padded layout forwards: B × (P + C) per micro-batch")
+register_metric(_FORWARDED, Reduction.SUM, "positions the packed layout forwards")
+
+
+@register_finalizer
+def _log_packing_metrics(reduced: dict[str, float]) -> dict[str, float]:
+    """`packing/padded_tokens`, `packing/forwarded_tokens` (sums over the step's micro-batches and ranks) and
+    `packing/ratio` (padded / forwarded: how many times fewer positions the forwards process)."""
+    if _PADDED not in reduced or _FORWARDED not in reduced:
+        return {}
+    padded, forwarded = reduced[_PADDED], reduced[_FORWARDED]
+    return {
+        "packing/padded_tokens": padded,
+        "packing/forwarded_tokens": forwarded,
+        "packing/ratio": padded / forwarded if forwarded > 0 else 1.0,
+    }
+
+
+def packing_metrics(padded: int, forwarded: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The 0-dim accumulators of one micro-batch's forward, to merge into the loss metrics."""
+    return {
+        _PADDED: torch.tensor(float(padded), device=device),
+        _FORWARDED: torch.tensor(float(forwarded), device=device),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """A micro-batch packed into one row, and the map from the row back to the completion-aligned layout.
+
+    Args:
+        mode (`str`): `"shared_prefix"` or `"padding_free"`.
+        input_ids (`torch.Tensor`): `(1, N)` the forwarded tokens.
+        position_ids (`torch.Tensor`): `(1, N)` each token's position in its own sequence (from 0).
+        attention_kwargs (`dict`): the tree attention's keyword arguments (`tree_kv_index`, `tree_cu_seqlens_q`,
+            `tree_cu_seqlens_k`, `tree_max_seqlen_q`, `tree_max_seqlen_k`; see `hf_rlloss.parallel.tree_attention`).
+        completion_index (`torch.Tensor`): `(B, C)` int64: the packed position whose hidden state predicts completion
+            token `(b, c)`; 0 where `completion_mask` is 0.
+        completion_mask (`torch.Tensor`): `(B, C)` bool: the completion tokens that are forwarded and predicted.
+        padded_tokens (`int`): `B × (P + C)`, what the padded layout forwards.
+    """
+
+    mode: str
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_kwargs: dict[str, Any]
+    completion_index: torch.Tensor
+    completion_mask: torch.Tensor
+    padded_tokens: int
+
+    @property
+    def forwarded_tokens(self) -> int:
+        """`N`, the positions the packed forward processes."""
+        return self.input_ids.shape[1]
+
+    def completion_hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # (1, N, H) -> (B, C, H)
+        """The completion-aligned hidden states: `out[b, c]` predicts completion token `(b, c)`; rows where the
+        completion mask is 0 hold the hidden state of position 0 (finite, and masked by the loss). Differentiable:
+        the backward of the gather sums the gradients of the completions that share a position."""
+        if hidden.shape[:2] != (1, self.forwarded_tokens):
+            raise ValueError(
+                f"packed hidden states have shape {tuple(hidden.shape)}; expected (1, {self.forwarded_tokens}, H)"
+            )
+        rows, cols = self.completion_index.shape
+        return hidden[0].index_select(0, self.completion_index.reshape(-1)).view(rows, cols, hidden.shape[-1])
+
+    def metrics(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        return packing_metrics(self.padded_tokens, self.forwarded_tokens, device)
+
+
+def _segments(cu_seqlens: torch.Tensor, kv_index: torch.Tensor, cu_seqlens_k: torch.Tensor) -> dict[str, Any]:
+    """The tree attention's keyword arguments from segment bounds `(S + 1,)`, K/V positions `(K,)`, path bounds."""
+    return {
+        "tree_kv_index": kv_index,
+        "tree_cu_seqlens_q": cu_seqlens,
+        "tree_cu_seqlens_k": cu_seqlens_k,
+        "tree_max_seqlen_q": int(cu_seqlens.diff().max()),
+        "tree_max_seqlen_k": int(cu_seqlens_k.diff().max()),
+    }
+
+
+def _rows_with_completions(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """`(B, P)` prompt mask without the rows whose completion has no token: nothing of theirs is predicted, so
+    their prompts need not be forwarded."""
+    return prompt_mask * completion_mask.bool().any(dim=1, keepdim=True).to(prompt_mask.dtype)
+
+
+def pack_padding_free(
+    prompt_ids: torch.Tensor,  # (B, P) left-padded
+    prompt_mask: torch.Tensor,  # (B, P)
+    completion_ids: torch.Tensor,  # (B, C) right-padded
+    completion_mask: torch.Tensor,  # (B, C)
+) -> PackedLayout:
+    """Each row's prompt and completion without padding, one segment per row (sequence parallelism's `pack_rows`),
+    attended as chains: the tree attention with every segment's path being the segment itself."""
+    prompt_mask = _rows_with_completions(prompt_mask, completion_mask)
+    packed = pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    lengths = packed.num_tokens[packed.num_tokens > 0]
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    kv_index = torch.arange(packed.length, device=prompt_ids.device)
+    index = torch.zeros(completion_ids.shape, dtype=torch.long, device=prompt_ids.device)
+    index[packed.rows, packed.cols] = packed.label_index
+    mask = torch.zeros(completion_ids.shape, dtype=torch.bool, device=prompt_ids.device)
+    mask[packed.rows, packed.cols] = True
+    return PackedLayout(
+        "padding_free", packed.input_ids, packed.position_ids, _segments(cu_seqlens, kv_index, cu_seqlens), index,
+        mask, prompt_ids.numel() + completion_ids.numel(),
+    )  # fmt: skip
+
+
+def pack_shared_prefix(
+    prompt_ids: torch.Tensor,  # (B, P) left-padded
+    prompt_mask: torch.Tensor,  # (B, P)
+    completion_ids: torch.Tensor,  # (B, C) right-padded
+    completion_mask: torch.Tensor,  # (B, C)
+) -> PackedLayout:
+    """The micro-batch folded into TRL's prefix trie (`TreeRow`): every common prefix forwarded once.
+
+    `TreeRow` keys a node on its token and the next one, so sequences share a token only when they also agree on the
+    token after it: a prompt is shared up to its last token, which is repeated once per distinct first completion
+    token (one extra position per branch), and completions that start alike share their common start too. Its
+    `token_index` lists, sample by sample, the position predicting each trained token, which is here every completion
+    token of a row (in the order of `completion_mask.nonzero()`).
+    """
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    device = prompt_ids.device
+    keep_prompt = _rows_with_completions(prompt_mask, completion_mask).bool()
+    row = TreeRow()
+    for b in range(prompt_ids.shape[0]):
+        prompt = prompt_ids[b][keep_prompt[b]].cpu()
+        completion = completion_ids[b][completion_mask[b].bool()].cpu()
+        if completion.numel() == 0:
+            continue
+        row.add({
+            "input_ids": torch.cat([prompt, completion]),
+            "completion_mask": torch.cat([torch.zeros_like(prompt), torch.ones_like(completion)]),
+            "old_log_probs": torch.zeros(prompt.numel() + completion.numel()),
+            "advantage": 0.0,
+            "group_id": b,
+        })  # fmt: skip
+    packed = row.pack()
+    rows, cols = completion_mask.bool().nonzero(as_tuple=True)
+    if packed["token_index"].numel() != rows.numel():  # a row without prompt: its first token has no predecessor
+        raise ValueError("shared_prefix packing needs at least one prompt token in every row with a completion")
+    index = torch.zeros(completion_ids.shape, dtype=torch.long, device=device)
+    index[rows, cols] = packed["token_index"].to(device)
+    attention = _segments(packed["tree_cu_seqlens_q"], packed["tree_kv_index"], packed["tree_cu_seqlens_k"])
+    attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in attention.items()}
+    return PackedLayout(
+        "shared_prefix", packed["input_ids"].to(device).unsqueeze(0), packed["position_ids"].to(device).unsqueeze(0),
+        attention, index, completion_mask.bool(), prompt_ids.numel() + completion_ids.numel(),
+    )  # fmt: skip
+
+
+def layout_fallback_reason(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> str | None:
+    """Why a micro-batch cannot be packed exactly (then it is forwarded padded), or `None`.
+
+    A completion token is predicted from the token before it; a row with completion tokens but no prompt token has
+    nothing before its first one, and a micro-batch without any completion token has nothing to forward.
+    """
+    has_completion = completion_mask.bool().any(dim=1)
+    if not bool(has_completion.any()):
+        return "the micro-batch has no completion token"
+    if bool((has_completion & ~prompt_mask.bool().any(dim=1)).any()):
+        return "a row has a completion but no prompt token"
+    return None
+
+
+_BUILDERS = {"shared_prefix": pack_shared_prefix, "padding_free": pack_padding_free}
+
+
+def build_layout(
+    mode: str,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> PackedLayout | None:
+    """The packed layout of a micro-batch under `mode`, or `None` for the padded forward: `mode="off"`, or a batch
+    `layout_fallback_reason` rejects (logged once per reason)."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"packing={mode!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
+    if mode == "off":
+        return None
+    reason = layout_fallback_reason(prompt_mask, completion_mask)
+    if reason is not None:
+        logger.info_once(f"packing={mode!r}: {reason}, so this micro-batch is forwarded padded (packing='off')")
+        return None
+    return _BUILDERS[mode](prompt_ids, prompt_mask, completion_ids, completion_mask)
