@@ -43,18 +43,24 @@ def _segment_sdpa(
     scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # (H,)
     dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, Sq, D)
-    """Bottom-right causal attention of one segment's queries to its path's keys."""
+    """Bottom-right causal attention of one segment's queries to its path's keys; with `sinks` (GPT-OSS's attention
+    sinks, `s_aux`), one extra logit per head joins each softmax and is dropped after it, as the model's own does."""
     heads, sq, _ = q.shape
     sk = k.shape[1]
     if k.shape[0] != heads:  # GQA/MQA: each KV head serves heads / Hkv query heads
         k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
-    # SDPA gets 4-D tensors: with 3-D ones PyTorch's CPU flash kernel is skipped for the math path (2-3x slower).
-    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if sq == sk and sliding_window is None and softcap is None:
-        # A root segment (its path is itself): plain causal attention, no mask at all (the flash kernels tile it).
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)[0]
+    explicit = softcap is not None or sinks is not None
+    if not explicit:
+        # SDPA gets 4-D tensors: with 3-D ones PyTorch's CPU flash kernel is skipped for the math path (2-3x slower).
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if sq == sk and sliding_window is None:
+            # A root segment (its path is itself): plain causal attention, no mask at all (the flash kernels tile it).
+            return F.scaled_dot_product_attention(q4, k4, v4, dropout_p=dropout, is_causal=True, scale=scaling)[0]
+    elif dropout:
+        raise ValueError(f"tree attention does not implement attention dropout with softcapping or sinks ({dropout})")
     out = []
     for start in range(0, sq, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, sq)
@@ -63,20 +69,25 @@ def _segment_sdpa(
         allowed = cols <= rows
         if sliding_window is not None:
             allowed &= cols > rows - sliding_window
-        if softcap is None:
+        if not explicit:
             block = F.scaled_dot_product_attention(
-                q[:, :, start:stop], k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling
+                q4[:, :, start:stop], k4, v4, attn_mask=allowed, dropout_p=dropout, scale=scaling
             )
             out.append(block[0])
             continue
-        # Softcapped scores (Gemma 2): SDPA has no hook for tanh on the scores, so this block is computed explicitly.
-        if dropout:
-            raise ValueError(f"tree attention does not implement attention dropout with softcapping (got {dropout})")
+        # Softcapped scores (Gemma 2), attention sinks (GPT-OSS): SDPA has no hook for either, so this block is
+        # computed explicitly.
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        scores = (q[0, :, start:stop] @ k[0].transpose(-1, -2)) * scale
-        scores = softcap * torch.tanh(scores / softcap)
+        scores = (q[:, start:stop] @ k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v[0])
+        if sinks is None:
+            out.append(torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v)
+            continue
+        sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1]
+        out.append(probs.to(v.dtype) @ v)
     return torch.cat(out, dim=1)
 
 
@@ -90,6 +101,7 @@ def tree_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
     dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, N, D)
     """Exact tree attention of a packed row, segment by segment with SDPA (see the module docstring); `dropout` is
@@ -109,7 +121,7 @@ def tree_attention(
         if q1 - q0 > k1 - k0:
             raise ValueError(f"tree attention: segment {s} has {q1 - q0} tokens but a path of only {k1 - k0} keys")
         out[:, q0:q1] = _segment_sdpa(
-            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap, dropout
+            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap, sinks, dropout
         )
     return out
 
@@ -130,6 +142,7 @@ def tree_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # (1, N, H, D)
     """transformers `AttentionInterface` function with the keyword arguments of TRL's `tree_attention`, so a model
@@ -143,7 +156,7 @@ def tree_attention_forward(
         raise ValueError(f"tree attention takes one packed row, got a batch of {query.shape[0]}")
     if dropout and module.training:
         raise ValueError(f"tree attention does not implement attention dropout (got {dropout})")
-    flash = _flash_varlen() if query.is_cuda and softcap is None else None
+    flash = _flash_varlen() if query.is_cuda and softcap is None and s_aux is None else None
     if flash is not None:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
         out = flash(
@@ -157,7 +170,7 @@ def tree_attention_forward(
         return out.unsqueeze(0), None
     out = tree_attention(
         query[0], key[0], value[0], tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, scaling, sliding_window,
-        softcap,
+        softcap, s_aux,
     )  # fmt: skip
     return out.transpose(0, 1).unsqueeze(0), None
 

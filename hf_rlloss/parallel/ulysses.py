@@ -144,8 +144,9 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, dropout
     out = torch.stack(
         [
             tree_attention(
-                q[b], k[b], v[b], *_cover_padding(*layout, length), scaling, sliding_window, softcap, dropout
-            )
+                q[b], k[b], v[b], *_cover_padding(*layout, length), scaling=scaling, sliding_window=sliding_window,
+                softcap=softcap, dropout=dropout,
+            )  # fmt: skip
             for b, layout in enumerate(layouts)
         ]
     )  # [B, H/W, L, D]
