@@ -141,15 +141,12 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, dropout
         layouts = [_root_layout(row) for row in positions]
     dropout = dropout if module.training else 0.0
     sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    out = torch.stack(
-        [
-            tree_attention(
-                q[b], k[b], v[b], *_cover_padding(*layout, length), scaling=scaling, sliding_window=sliding_window,
-                softcap=softcap, dropout=dropout,
-            )  # fmt: skip
-            for b, layout in enumerate(layouts)
-        ]
-    )  # [B, H/W, L, D]
+    options = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
+    rows = [
+        tree_attention(q[b], k[b], v[b], *_cover_padding(*layout, length), **options)
+        for b, layout in enumerate(layouts)
+    ]
+    out = torch.stack(rows)  # [B, H/W, L, D]
     return _heads_to_sequence(out, size, group).transpose(1, 2).contiguous(), None
 
 
