@@ -50,10 +50,14 @@ CASES = {
         {},
         True,
     ),
+    # the cases above run the default packing ("shared_prefix": under SP a TreeRow row sharded over the group);
+    # the same vanilla training with the other layouts ("off" under SP is padding-free, as SP always packs)
+    "vanilla:padding_free": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "padding_free"}, False),
+    "vanilla:off": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "off"}, False),
 }
 
 
-PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_policy/")
+PREFIXES = ("loss/", "train_policy/", "rollout_is/", "mismatch/", "eval_train_policy/", "packing/")
 
 
 def make_model(tokenizer, heads: int = 4, kv_heads: int = 1, hidden_size: int = 32) -> Qwen2ForCausalLM:
@@ -154,7 +158,7 @@ def main() -> None:
             extra = {**extra, "eval_strategy": "steps", "eval_steps": cli.steps}
             extra["per_device_eval_batch_size"] = cli.eval_batch_size
         args = _config(
-            os.path.join(run_dir, name),
+            os.path.join(run_dir, name.replace(":", "_")),
             cli.sp,
             cli.per_device_batch_size,
             cli.grad_accum,
