@@ -13,8 +13,10 @@ machine's noise hits every mode alike), each (mode, repeat) in a fresh process (
 For `long` and `reasoning` generation is replaced by fixed random completions of those lengths (the same in every
 mode), so the step is the training phase: scoring, the reference log-prob pass (a KL term), the loss forward and
 backward (chunked LM head) and the optimizer, all through `RLLossGRPOTrainer`'s own forwards. The model is
-SmolLM2-135M's architecture (Llama, hidden 576, 9 heads, 3 KV heads, vocabulary 49,152) with `--layers` layers,
-randomly initialized (30 layers take minutes per step at these lengths on 2 CPU cores). One micro-batch is one group
+SmolLM2-135M's architecture (Llama, hidden 576, 9 heads, 3 KV heads) with `--layers` of its 30 layers and its
+vocabulary cut in the same proportion (49,152 × layers / 30), randomly initialized: every per-token cost (attention,
+MLP, LM head) is that fraction of SmolLM2-135M's, so the modes' ratios carry over, while a step takes seconds
+instead of minutes on 2 CPU cores. One micro-batch is one group
 (`per_device_train_batch_size = G = 8`), bf16 autocast as the demo; the step time is TRL's `step_time` of the steps
 after the first. Peak memory: RSS high-water mark minus the RSS once the trainer is built (rank 0).
 
@@ -43,6 +45,11 @@ MODES = ("shared_prefix", "padding_free", "off")
 G = 8
 # workload -> (prompt tokens, completion length sampler name); `demo` is the recipe
 SYNTHETIC = {"long": (1024, "uniform_64_256"), "reasoning": (128, "loguniform_32_2048")}
+_WORDS = (
+    "the of and to in is was for on that with as by at from his it an were are which this be or has had not but "
+    "first one their its new after who they have her she two been other when there all during into school time may "
+    "years more most only over city some world would where later up such used many can state about national out"
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, "recipes", "smollm2_135m", "arithmetic", "config_demo.yaml")
 
@@ -92,16 +99,20 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
     prompt_tokens, sampler = SYNTHETIC[workload]
     path = resolve_model(SMOLLM2)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    config = AutoConfig.from_pretrained(path, num_hidden_layers=layers)
+    # SmolLM2-135M's layers, `layers` of its 30, and a vocabulary cut in the same proportion, so that the LM head
+    # (run on completion tokens only, in every mode) keeps its share of the per-token work
+    vocab = round(49152 * layers / 30)
+    config = AutoConfig.from_pretrained(path, num_hidden_layers=layers, vocab_size=vocab)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
-    # prompts of exactly `prompt_tokens` tokens: ids of ordinary words (>= 1000), decoded; re-encoding is checked
+    # prompts of exactly `prompt_tokens` tokens: random sequences of common words that are one token each
+    words = [w for w in _WORDS.split() if len(ids := tokenizer(" " + w)["input_ids"]) == 1 and ids[0] < vocab]
     prompts = []
-    while len(prompts) < 16:
-        text = tokenizer.decode(torch.randint(1000, 20000, (prompt_tokens,), generator=g).tolist())
-        if len(tokenizer(text)["input_ids"]) == prompt_tokens:
-            prompts.append(text)
+    for i in range(16):
+        picks = torch.randint(len(words), (prompt_tokens,), generator=g).tolist()
+        prompts.append(" " + " ".join(words[j] for j in picks))
+        assert len(tokenizer(prompts[-1])["input_ids"]) == prompt_tokens, i
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = RLLossGRPOConfig(
         output_dir=f"/tmp/bench_packing_{workload}_{mode}",
@@ -118,7 +129,12 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
         seed=0,
         disable_tqdm=True,
         packing=mode,
-        rl_loss={"policy_loss_cfg": {"loss_type": "vanilla"}, "use_kl_loss": True, "kl_loss_coef": 0.001},
+        rl_loss={
+            "policy_loss_cfg": {"loss_type": "vanilla"},
+            "use_kl_loss": True,
+            "kl_loss_type": "k3",
+            "kl_loss_coef": 0.001,
+        },
     )
     reward = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
     clock = _StepClock()
@@ -140,7 +156,7 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
         for _ in range(0, len(prompt_ids), G):
             lengths = completion_lengths(sampler, completions)
             lengths_log.append(lengths)
-            out += [torch.randint(1000, 20000, (n,), generator=completions).tolist() for n in lengths]
+            out += [torch.randint(100, vocab, (n,), generator=completions).tolist() for n in lengths]  # no EOS
         return out, None
 
     trainer._generate_single_turn = fixed
@@ -278,7 +294,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--demo-steps", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4, help="layers of the synthetic workloads' model")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the synthetic workloads' model")
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "packing.json"))
     parser.add_argument("--_one", nargs=4, help=argparse.SUPPRESS)
