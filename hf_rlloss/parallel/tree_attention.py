@@ -50,15 +50,18 @@ def _segment_sdpa(
     sinks, `s_aux`), one extra logit per head joins each softmax and is dropped after it, as the model's own does."""
     heads, sq, _ = q.shape
     sk = k.shape[1]
-    if k.shape[0] != heads:  # GQA/MQA: each KV head serves heads / Hkv query heads
-        k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
     explicit = softcap is not None or sinks is not None
+    if k.shape[0] != heads and explicit:  # GQA/MQA: each KV head serves heads / Hkv query heads (SDPA: enable_gqa)
+        k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+    gqa = k.shape[0] != heads
     if not explicit:
         # SDPA gets 4-D tensors: with 3-D ones PyTorch's CPU flash kernel is skipped for the math path (2-3x slower).
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if sq == sk and sliding_window is None:
             # A root segment (its path is itself): plain causal attention, no mask at all (the flash kernels tile it).
-            return F.scaled_dot_product_attention(q4, k4, v4, dropout_p=dropout, is_causal=True, scale=scaling)[0]
+            return F.scaled_dot_product_attention(
+                q4, k4, v4, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+            )[0]
     elif dropout:
         raise ValueError(f"tree attention does not implement attention dropout with softcapping or sinks ({dropout})")
     out = []
@@ -71,7 +74,7 @@ def _segment_sdpa(
             allowed &= cols > rows - sliding_window
         if not explicit:
             block = F.scaled_dot_product_attention(
-                q4[:, :, start:stop], k4, v4, attn_mask=allowed, dropout_p=dropout, scale=scaling
+                q4[:, :, start:stop], k4, v4, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa
             )
             out.append(block[0])
             continue
@@ -114,16 +117,21 @@ def tree_attention(
         )
     if bounds_q[-1] != query.shape[1]:
         raise ValueError(f"tree attention: the segments cover {bounds_q[-1]} positions, the row has {query.shape[1]}")
-    key, value = key.index_select(1, kv_index), value.index_select(1, kv_index)
-    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-    for s in range(len(bounds_q) - 1):
-        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-        if q1 - q0 > k1 - k0:
-            raise ValueError(f"tree attention: segment {s} has {q1 - q0} tokens but a path of only {k1 - k0} keys")
-        out[:, q0:q1] = _segment_sdpa(
-            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap, sinks, dropout
-        )
-    return out
+    sizes_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:])]
+    sizes_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:])]
+    for s, (sq, sk) in enumerate(zip(sizes_q, sizes_k)):
+        if sq > sk:
+            raise ValueError(f"tree attention: segment {s} has {sq} tokens but a path of only {sk} keys")
+    # split, not slice: the backward of `split` is one concatenation, while each slice's backward would write into a
+    # zero tensor of the whole row (a row's worth of memory traffic per segment, the bulk of the time on CPU)
+    queries = query.split(sizes_q, dim=1)
+    keys = key.index_select(1, kv_index).split(sizes_k, dim=1)
+    values = value.index_select(1, kv_index).split(sizes_k, dim=1)
+    out = [
+        _segment_sdpa(q, k, v, scaling, sliding_window, softcap, sinks, dropout)
+        for q, k, v in zip(queries, keys, values)
+    ]
+    return torch.cat(out, dim=1)
 
 
 def tree_attention_forward(
