@@ -89,6 +89,7 @@ def test_sequence_parallel_matches_one_process(runs, name):
     assert reference["cases"].keys() == result["cases"].keys() == cases
     for case, ref in reference["cases"].items():
         got = result["cases"][case]
+        # the one-process reference trains packed (packing's default, shared_prefix: docs/packing.md) unless off
         assert got["attn"] == "ulysses_sdpa" and ref["attn"] == ("sdpa" if case == "vanilla:off" else "tree_or_sdpa")
         moved = max((ref["params"][k] - initial[k]).abs().max().item() for k in initial)
         assert moved > 1e-3, (case, moved)

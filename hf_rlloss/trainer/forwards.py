@@ -5,7 +5,10 @@ in chunks. This module holds every forward the trainer runs for that: the traini
 with the MoE router loss `_loss_forward_with_router_aux`), the no-gradient log-prob passes (old and reference
 log-probs, `compute_per_token_logps`; under sequence parallelism packed and sharded, `_block_logps`), and the
 extension points for models with an unusual layout (`compute_hidden_states`, `get_head_weight`). Each forward runs
-inside the wrapped model's forward (`_call_through_wrapper`), so that DDP/FSDP/DeepSpeed hooks fire.
+inside the wrapped model's forward (`_call_through_wrapper`), so that DDP/FSDP/DeepSpeed hooks fire. Outside sequence
+parallelism every forward goes through `_completion_hidden_states`, which lays the batch out as
+`RLLossGRPOConfig.packing` says (one packed row, or the padded batch; `packing.py`) and returns the `(B, C, H)`
+completion-aligned hidden states the loss and the chunked head take either way.
 
 `LossLayerForwards` is a mixin: it reads the trainer's `accelerator`, `args`, `model`, `ref_model`,
 `rl_loss_config`, `sp_mesh`, `_loss_temperature`, `_tokenizer`, `_forward_redirection` and TRL's metric lists.
