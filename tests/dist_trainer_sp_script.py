@@ -59,6 +59,10 @@ CASES = {
         {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 3},
         True,
     ),
+    # the cases above run the default packing ("shared_prefix": under SP a TreeRow row sharded over the group);
+    # the same vanilla training with the other layouts ("off" under SP is padding-free, as SP always packs)
+    "vanilla:padding_free": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "padding_free"}, False),
+    "vanilla:off": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "off"}, False),
 }
 
 
@@ -74,6 +78,7 @@ PREFIXES = (
     "policy_loss",
     "kl",
     "dynamic_sampling/",
+    "packing/",
 )
 
 
@@ -175,7 +180,7 @@ def main() -> None:
             extra = {**extra, "eval_strategy": "steps", "eval_steps": cli.steps}
             extra["per_device_eval_batch_size"] = cli.eval_batch_size
         args = _config(
-            os.path.join(run_dir, name),
+            os.path.join(run_dir, name.replace(":", "_")),
             cli.sp,
             cli.per_device_batch_size,
             cli.grad_accum,

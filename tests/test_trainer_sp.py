@@ -3,7 +3,9 @@
 The distributed tests launch `tests/dist_trainer_sp_script.py` through torchrun (with a hard timeout): sp=2 on 2
 processes and dp=2 × sp=2 on 4 must give the same losses, metrics and parameters as one process with the same global
 batch (fixed completions, SGD, 2 optimizer steps, the second off-policy) for vanilla, GSPO (with gradient
-checkpointing) and sequence-level rollout IS with a KL, on a GQA model with 1 key/value head and odd packed lengths.
+checkpointing) and sequence-level rollout IS with a KL, on a GQA model with 1 key/value head and odd packed lengths,
+with each prompt forwarded once per micro-batch (`packing="shared_prefix"`, the default); vanilla also with
+`"padding_free"` and `"off"`, which give the same parameters.
 """
 
 from __future__ import annotations
@@ -85,18 +87,17 @@ def test_sequence_parallel_matches_one_process(runs, name):
     reference, result = runs("one"), runs(name)
     assert reference["world_size"] == 1 and result["world_size"] == RUNS[name][0]
     initial = _initial_params()
-    cases = {"vanilla", "gspo", "rollout_is_seq", "dynamic_sampling"}
+    cases = {"vanilla", "gspo", "rollout_is_seq", "dynamic_sampling", "vanilla:padding_free", "vanilla:off"}
     assert reference["cases"].keys() == result["cases"].keys() == cases
     for case, ref in reference["cases"].items():
         got = result["cases"][case]
-        # the one-process reference trains packed (packing's default, shared_prefix: docs/packing.md)
-        assert got["attn"] == "ulysses_sdpa" and ref["attn"] == "tree_or_sdpa"
+        # the one-process reference trains packed (packing's default, shared_prefix: docs/packing.md) unless off
+        assert got["attn"] == "ulysses_sdpa" and ref["attn"] == ("sdpa" if case == "vanilla:off" else "tree_or_sdpa")
         moved = max((ref["params"][k] - initial[k]).abs().max().item() for k in initial)
         assert moved > 1e-3, (case, moved)
         diff = max((ref["params"][k] - got["params"][k]).abs().max().item() for k in initial)
         assert diff < 1e-5, (case, diff)
-        # odd packed lengths: the last SP shard is padded
-        assert got["packed_lengths"] and any(n % 2 for n in got["packed_lengths"]), got["packed_lengths"]
+        assert got["packed_lengths"], case
         ref_steps = [h for h in ref["history"] if "loss/total" in h]
         got_steps = [h for h in got["history"] if "loss/total" in h]
         assert len(ref_steps) == len(got_steps) == 2
@@ -111,9 +112,25 @@ def test_sequence_parallel_matches_one_process(runs, name):
             if "loss" in a:  # the Trainer's logged loss is the step's global loss
                 assert abs(a["loss"] - b["loss"]) < 1e-5, (case, a["loss"], b["loss"])
             for key in a:
+                if key.startswith("packing/"):  # positions forwarded: they depend on how rows are grouped
+                    continue
                 if name != "sp2" and key.startswith(TRL_KEYS):
                     continue  # per micro-batch: with 2 DP ranks a micro-batch holds other rows than one process's
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (case, key, a[key], b[key])
+    # odd packed lengths: the last SP shard is padded (padding-free rows here; tree rows in test_ulysses.py)
+    assert any(n % 2 for case in result["cases"].values() for n in case["packed_lengths"])
+    # every packing mode gives the same update under SP; shared prefixes forward fewer positions
+    for mode in ("vanilla:padding_free", "vanilla:off"):
+        diff = max(
+            (result["cases"]["vanilla"]["params"][k] - result["cases"][mode]["params"][k]).abs().max() for k in initial
+        )
+        assert diff < 1e-6, (mode, diff)
+
+    def forwarded(case, key="packing/forwarded_tokens"):
+        return sum(h[key] for h in result["cases"][case]["history"] if "loss" in h)
+
+    assert forwarded("vanilla") < forwarded("vanilla:padding_free") == forwarded("vanilla:off")
+    assert forwarded("vanilla:padding_free") < forwarded("vanilla", "packing/padded_tokens")
     # the second step is off-policy (num_iterations=2: old log-probs from the SP no-grad pass), and it trains
     for case in ("vanilla", "gspo"):
         second = [h for h in result["cases"][case]["history"] if "loss" in h][1]

@@ -2,8 +2,8 @@
 
 The lowest of the three layers (parallel ← loss ← trainer): it imports neither the loss layer nor TRL, only torch
 and, for the attention registration, transformers' `AttentionInterface`. The SP micro-batches of the trainer
-(`hf_rlloss.trainer.sp_batch`) are not here although they are about sequence parallelism: they pad each loss field
-with its own value, which the loss layer's field table (`hf_rlloss.loss.fields`) defines, so they sit above it.
+(`hf_rlloss.trainer.sp_batch`) are not here although they are about sequence parallelism: they shard the trainer's
+packed rows (`hf_rlloss.trainer.packing`, TRL's `TreeRow`) and the loss data of TRL's batches, so they sit above it.
 
 - `collectives`: `torch.distributed` wrappers that are no-ops in one process.
 - `sequence`: the SP mesh and its groups, and the split/gather of a sequence dimension over an SP group.
@@ -18,6 +18,7 @@ from .sequence import (
     destroy_process_groups,
     on_first_sp_rank,
     pad_to_multiple,
+    sp_all_gather,
     sp_gather,
     sp_group,
     sp_rank,
@@ -48,6 +49,7 @@ __all__ = [
     "rank",
     "register_tree_attention",
     "register_ulysses_attention",
+    "sp_all_gather",
     "sp_gather",
     "sp_group",
     "sp_rank",

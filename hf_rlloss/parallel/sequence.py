@@ -80,6 +80,18 @@ def sp_gather(tensor: torch.Tensor, sp_mesh: DeviceMesh | None, dim: int = 1) ->
     return torch.cat(shards, dim=dim)
 
 
+def sp_all_gather(tensor: torch.Tensor, sp_mesh: DeviceMesh | None, dim: int = 0) -> torch.Tensor:
+    """:func:`sp_gather` with autograd: the backward hands each rank the gradient of its own shard, summed over the
+    ranks that used it (a reduce-scatter). Functional collectives, which work on gloo subgroups."""
+    if sp_world_size(sp_mesh) == 1:
+        return tensor
+    import torch.distributed._functional_collectives as funcol
+
+    moved = tensor.movedim(dim, 0).contiguous()  # funcol gathers along dim 0
+    gathered = funcol.all_gather_single_autograd(moved, 0, sp_group(sp_mesh))
+    return funcol.wait_tensor(gathered).movedim(0, dim)
+
+
 # ------------------------------------------------------------------------------------------------- the SP mesh
 
 

@@ -10,7 +10,9 @@ sequence that does not share its prefix.
 TRL ships this attention only as a FlashAttention-3 kernel fetched from the Hub (`tree_fa3`, CUDA only). Here it is
 plain SDPA, segment by segment, so it runs on CPU and on any GPU; `flash_attn`'s varlen kernel is used when it is
 installed and the tensors are on CUDA. Memory: a segment's queries are processed in blocks of at most `QUERY_BLOCK`
-rows, so the largest mask is `QUERY_BLOCK × path length`: no `(packed length)²` term.
+rows, so the largest mask is `QUERY_BLOCK × path length`: no `(packed length)²` term. A root segment (its path is
+itself: a shared prompt, or every sequence of a padding-free row) needs no mask: SDPA's `is_causal`, whose flash
+kernels (CPU and CUDA) tile it.
 """
 
 from __future__ import annotations
@@ -42,13 +44,26 @@ def _segment_sdpa(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,  # (H,)
+    dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, Sq, D)
     """Bottom-right causal attention of one segment's queries to its path's keys; with `sinks` (GPT-OSS's attention
     sinks, `s_aux`), one extra logit per head joins each softmax and is dropped after it, as the model's own does."""
     heads, sq, _ = q.shape
     sk = k.shape[1]
-    if k.shape[0] != heads:  # GQA/MQA: each KV head serves heads / Hkv query heads
+    explicit = softcap is not None or sinks is not None
+    if k.shape[0] != heads and explicit:  # GQA/MQA: each KV head serves heads / Hkv query heads (SDPA: enable_gqa)
         k, v = (t.repeat_interleave(heads // t.shape[0], dim=0) for t in (k, v))
+    gqa = k.shape[0] != heads
+    if not explicit:
+        # SDPA gets 4-D tensors: with 3-D ones PyTorch's CPU flash kernel is skipped for the math path (2-3x slower).
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if sq == sk and sliding_window is None:
+            # A root segment (its path is itself): plain causal attention, no mask at all (the flash kernels tile it).
+            return F.scaled_dot_product_attention(
+                q4, k4, v4, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+            )[0]
+    elif dropout:
+        raise ValueError(f"tree attention does not implement attention dropout with softcapping or sinks ({dropout})")
     out = []
     for start in range(0, sq, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, sq)
@@ -57,8 +72,11 @@ def _segment_sdpa(
         allowed = cols <= rows
         if sliding_window is not None:
             allowed &= cols > rows - sliding_window
-        if softcap is None and sinks is None:
-            out.append(F.scaled_dot_product_attention(q[:, start:stop], k, v, attn_mask=allowed, scale=scaling))
+        if not explicit:
+            block = F.scaled_dot_product_attention(
+                q4[:, :, start:stop], k4, v4, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+            )
+            out.append(block[0])
             continue
         # Softcapped scores (Gemma 2), attention sinks (GPT-OSS): SDPA has no hook for either, so this block is
         # computed explicitly.
@@ -87,8 +105,10 @@ def tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # (H,)
+    dropout: float = 0.0,
 ) -> torch.Tensor:  # (H, N, D)
-    """Exact tree attention of a packed row, segment by segment with SDPA (see the module docstring)."""
+    """Exact tree attention of a packed row, segment by segment with SDPA (see the module docstring); `dropout` is
+    SDPA's `dropout_p` (0 for exactness; the Ulysses attention passes the module's own while training)."""
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(bounds_q) != len(bounds_k):
         raise ValueError(
@@ -97,16 +117,21 @@ def tree_attention(
         )
     if bounds_q[-1] != query.shape[1]:
         raise ValueError(f"tree attention: the segments cover {bounds_q[-1]} positions, the row has {query.shape[1]}")
-    key, value = key.index_select(1, kv_index), value.index_select(1, kv_index)
-    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-    for s in range(len(bounds_q) - 1):
-        q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-        if q1 - q0 > k1 - k0:
-            raise ValueError(f"tree attention: segment {s} has {q1 - q0} tokens but a path of only {k1 - k0} keys")
-        out[:, q0:q1] = _segment_sdpa(
-            query[:, q0:q1], key[:, k0:k1], value[:, k0:k1], scaling, sliding_window, softcap, sinks
-        )
-    return out
+    sizes_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:])]
+    sizes_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:])]
+    for s, (sq, sk) in enumerate(zip(sizes_q, sizes_k)):
+        if sq > sk:
+            raise ValueError(f"tree attention: segment {s} has {sq} tokens but a path of only {sk} keys")
+    # split, not slice: the backward of `split` is one concatenation, while each slice's backward would write into a
+    # zero tensor of the whole row (a row's worth of memory traffic per segment, the bulk of the time on CPU)
+    queries = query.split(sizes_q, dim=1)
+    keys = key.index_select(1, kv_index).split(sizes_k, dim=1)
+    values = value.index_select(1, kv_index).split(sizes_k, dim=1)
+    out = [
+        _segment_sdpa(q, k, v, scaling, sliding_window, softcap, sinks, dropout)
+        for q, k, v in zip(queries, keys, values)
+    ]
+    return torch.cat(out, dim=1)
 
 
 def tree_attention_forward(

@@ -1,6 +1,7 @@
 """Ulysses sequence-parallel attention (DeepSpeed-Ulysses, https://arxiv.org/abs/2309.14509), registered with
 transformers' `AttentionInterface`: every rank of an SP group holds a contiguous shard of each (packed) sequence;
-attention all-to-alls from sequence shards to head shards, runs causal SDPA on whole sequences, and all-to-alls back.
+attention all-to-alls from sequence shards to head shards, attends the whole sequences (`tree_attention`: causal SDPA
+per packed sequence, or per segment of a prefix-sharing tree row; no `(L, L)` mask), and all-to-alls back.
 """
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .sequence import sp_gather, sp_group, sp_world_size
+from .tree_attention import tree_attention
 
 ULYSSES_ATTENTION = "ulysses_sdpa"
 # Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
@@ -67,57 +68,55 @@ def _heads_to_sequence(x: torch.Tensor, size: int, group) -> torch.Tensor:
     return received.permute(1, 0, 2, 3, 4).reshape(b, size * h_local, s, d)
 
 
-def _document_bounds(global_positions: torch.Tensor) -> list[int] | None:
-    """Start offsets of the packed sequences of a single row (positions restart), or `None` for one sequence."""
-    starts = (global_positions[0, 1:] != global_positions[0, :-1] + 1).nonzero().squeeze(-1) + 1
-    if starts.numel() == 0:
-        return None
-    return [0, *starts.tolist(), global_positions.shape[1]]
+def _root_layout(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree layout of a padding-free packed row `(L,)` of global positions: each packed sequence (positions
+    restart) is a root segment whose path is itself. Returns `(kv_index, cu_seqlens_q, cu_seqlens_k)`."""
+    starts = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(-1) + 1
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([positions.shape[0]])])
+    return torch.arange(positions.shape[0], device=positions.device), bounds, bounds
 
 
-def _packed_causal_mask(global_positions: torch.Tensor) -> torch.Tensor | None:
-    """`(B, 1, S, S)` bool mask for packed sequences (positions restart), or `None` when plain causal suffices."""
-    starts = global_positions[:, 1:] != global_positions[:, :-1] + 1
-    if not bool(starts.any()):
-        return None
-    doc = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).cumsum(-1)  # (B, S) document index
-    length = global_positions.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=doc.device).tril()
-    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
-
-
-def _causal_sdpa(q, k, v, global_positions, dropout: float, scaling: float | None) -> torch.Tensor:
-    """Causal attention within each packed sequence. A single packed row (the trainer's layout) runs SDPA per
-    sequence with `is_causal=True` — memory linear in the row length instead of an `(L, L)` mask; a batch of
-    several rows falls back to an explicit block-causal mask."""
-
-    def sdpa(q, k, v, mask=None):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-
-    if global_positions.shape[0] == 1:
-        bounds = _document_bounds(global_positions)
-        if bounds is None:
-            return sdpa(q, k, v)
-        pieces = [sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return torch.cat(pieces, dim=2)
-    return sdpa(q, k, v, _packed_causal_mask(global_positions))
+def _cover_padding(
+    kv_index: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layout of `N` positions extended to the SP-padded length `length >= N`: the padding at the end (fewer than
+    sp_size positions, see `sp_shard_inputs`) becomes one more root segment, so it attends only to itself."""
+    n = int(cu_seqlens_q[-1])
+    if n == length:
+        return kv_index, cu_seqlens_q, cu_seqlens_k
+    if n > length:
+        raise ValueError(f"Ulysses attention: the tree layout covers {n} positions, the sequence has {length}")
+    pad = torch.arange(n, length, device=kv_index.device, dtype=kv_index.dtype)
+    return (
+        torch.cat([kv_index, pad]),
+        torch.cat([cu_seqlens_q, cu_seqlens_q.new_tensor([length])]),
+        torch.cat([cu_seqlens_k, cu_seqlens_k.new_tensor([int(cu_seqlens_k[-1]) + length - n])]),
+    )
 
 
 def ulysses_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention function for transformers' `AttentionInterface` (name `"ulysses_sdpa"`).
 
     Shapes (local, per rank): `query [B, H, S, D]`, `key/value [B, Hkv, S, D]`; returns `[B, S, H, D]`.
-    Under SP the padding `attention_mask` (local, meaningless for the whole sequence) is not used: sequences must be
-    unpadded or packed, with global `position_ids` that restart at each packed sequence.
+    Under SP the padding `attention_mask` (local, meaningless for the whole sequence) is not used. After the
+    all-to-all every rank holds whole sequences (for its heads), attended with `tree_attention`, one SDPA call per
+    segment, no `(L, L)` mask:
+
+    - with the `tree_*` keyword arguments (TRL's `TreeRow.pack` layout of the WHOLE packed row, identical on every
+      rank of the SP group, as `tree_attention_forward` takes them; `B == 1`): shared prefixes forwarded once;
+    - without them: each row is padding-free packed, sequences found where the global `position_ids` restart.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mesh = _ACTIVE_SP_MESH
     size = sp_world_size(mesh)
     if size == 1:
+        if kwargs.get("tree_kv_index") is not None:  # a packed tree row without SP: the tree attention itself
+            from .tree_attention import tree_attention_forward
+
+            return tree_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -128,25 +127,50 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, dropout
     if kv_heads % size:  # GQA with fewer KV heads than ranks: replicate each KV head, keeping the q → kv grouping
         repeat = size // math.gcd(kv_heads, size)
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise ValueError("Ulysses attention needs position_ids (global positions of the local shard)")
-    q, k, v = (_sequence_to_heads(t, size, group) for t in (query, key, value))
-    positions = sp_gather(position_ids.expand(query.shape[0], -1), mesh, dim=1)
-    out = _causal_sdpa(q, k, v, positions, dropout if module.training else 0.0, scaling)
+    q, k, v = (_sequence_to_heads(t, size, group) for t in (query, key, value))  # [B, H/W, L, D]: whole sequences
+    length = q.shape[2]
+    if kwargs.get("tree_kv_index") is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"Ulysses tree attention takes one packed row, got a batch of {q.shape[0]}")
+        layouts = [(kwargs["tree_kv_index"], kwargs["tree_cu_seqlens_q"], kwargs["tree_cu_seqlens_k"])]
+    else:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError("Ulysses attention needs position_ids (global positions of the local shard)")
+        positions = sp_gather(position_ids.expand(query.shape[0], -1), mesh, dim=1)
+        layouts = [_root_layout(row) for row in positions]
+    dropout = dropout if module.training else 0.0
+    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    options = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
+    rows = [
+        tree_attention(q[b], k[b], v[b], *_cover_padding(*layout, length), **options)
+        for b, layout in enumerate(layouts)
+    ]
+    out = torch.stack(rows)  # [B, H/W, L, D]
     return _heads_to_sequence(out, size, group).transpose(1, 2).contiguous(), None
 
 
+def _ulysses_mask(*args, **kwargs):
+    """transformers' mask builder for `"ulysses_sdpa"`: SDPA's outside SP; none under SP, where the attention finds
+    the sequences itself (the mask transformers would build from a local shard is `(L/sp)²` and unused)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if sp_world_size(_ACTIVE_SP_MESH) > 1:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register_ulysses_attention() -> str:
-    """Register the Ulysses attention (and SDPA's mask builder, so non-SP use is exactly SDPA) with transformers.
+    """Register the Ulysses attention with transformers, and a mask builder that is SDPA's outside SP (so non-SP use
+    is exactly SDPA) and builds nothing under SP.
 
     Returns the name to pass as `attn_implementation`.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
-    AttentionMaskInterface.register(ULYSSES_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(ULYSSES_ATTENTION, _ulysses_mask)
     return ULYSSES_ATTENTION
 
 

@@ -25,11 +25,12 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 
 from ..loss.context import BaseRLLossContext
 from ..parallel.packed_attention import packed_forward
+from ..parallel.sequence import on_first_sp_rank
 from ..parallel.ulysses import ulysses_sequence_parallel
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
-from .packing import build_layout, packing_metrics
+from .packing import PackedLayout, build_layout, pack_padding_free, packing_metrics
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
@@ -183,9 +184,12 @@ class LossLayerForwards:
         return layout.completion_hidden(hidden), router_logits, None, layout.forwarded_tokens
 
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
-        if self.sp_mesh is not None:  # this rank's shard of the packed micro-batch, aligned with ctx's labels
-            hidden = self._sp_hidden_states(unwrapped, inputs["sp_micro_batch"])
-            return self._head_loss(unwrapped, hidden, ctx)
+        if self.sp_mesh is not None:  # this rank's loss terms of the packed micro-batch, aligned with ctx's labels
+            micro_batch = inputs["sp_micro_batch"]
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
+            loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+            counts = micro_batch.layout.metrics(loss.device)  # the SP group's row: counted on its first rank
+            return loss, {**metrics, **{k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}}
         hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs)
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         return loss, {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
@@ -216,9 +220,9 @@ class LossLayerForwards:
         """`(b, logits_to_keep, columns)` log-probs (and kept log-masses) of one block of rows. Under SP the block is
         packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
         completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
+        batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
+        batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
         if self.sp_mesh is None:
-            batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
-            batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
 
             def forward(unwrapped):
                 hidden = self._completion_hidden_states(unwrapped, batch)[0]
@@ -226,14 +230,12 @@ class LossLayerForwards:
 
             return self._call_through_wrapper(model, forward)
         ignore = self.rl_loss_config.ignore_idx
-        micro_batch = SPMicroBatch.from_tensors(
-            ids[:, :-logits_to_keep], mask[:, :-logits_to_keep], completion_ids, completion_mask, self.sp_mesh,
-            self._tokenizer.pad_token_id,
-        )  # fmt: skip
-        labels = micro_batch.shard(completion_ids, ignore)  # (1, L_local), aligned with the input shard
+        micro_batch = SPMicroBatch.from_layout(self._sp_layout(batch), self.sp_mesh, self._tokenizer.pad_token_id)
+        labels = completion_ids.masked_fill(completion_mask == 0, ignore)
+        labels = micro_batch.shard(labels, ignore)  # (1, M_local): this rank's terms
 
         def sp_forward(unwrapped):
-            hidden = self._sp_hidden_states(unwrapped, micro_batch)
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
             return self._valid_logps(unwrapped, hidden, labels, labels != ignore, truncation)
 
         return micro_batch.gather(self._call_through_wrapper(model, sp_forward), tuple(completion_ids.shape))
@@ -252,12 +254,30 @@ class LossLayerForwards:
         out[valid] = logps.float().reshape(-1, columns)
         return out
 
+    def _sp_layout(self, batch: dict[str, Any]) -> PackedLayout:
+        """The packed row of a micro-batch under sequence parallelism, which always shards a packed row:
+        `args.packing`'s layout (`"off"` packs padding-free, as SP did before `packing` existed); a batch that
+        `build_layout` rejects is packed padding-free (a row without prompt: its first token is not predicted)."""
+        mode = "padding_free" if self.args.packing == "off" else self.args.packing
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if layout is not None:
+            return layout
+        if not bool(completion_mask.any()):  # every completion masked (e.g. truncated): the group still runs the
+            # same forward and collectives, on one term whose label the loss data and `_block_logps` mask out
+            completion_mask = torch.zeros_like(completion_mask)
+            completion_mask[0, 0] = 1
+        return pack_padding_free(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
     def _sp_hidden_states(self, unwrapped: nn.Module, micro_batch: SPMicroBatch) -> torch.Tensor:
-        """`(1, L_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective)."""
+        """`(1, N_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective);
+        the Ulysses attention gets the whole row's tree layout."""
         with ulysses_sequence_parallel(self.sp_mesh):
             return self.compute_hidden_states(
-                unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids
-            )
+                unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids,
+                attention_kwargs=micro_batch.attention_kwargs,
+            )  # fmt: skip
 
     def _add_router_aux_loss(self, loss, metrics, aux_loss, mode: str):
         """Add `router_aux_loss_coef × aux_loss / gradient_accumulation_steps` to the micro-batch's loss, as TRL: per

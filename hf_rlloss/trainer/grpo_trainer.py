@@ -325,7 +325,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         mode, reason = args.packing, None
         config = unwrapped.config.get_text_config()
         if mode == "off" or self.sp_mesh is not None:
-            mode = "off"  # under SP the micro-batches are packed padding-free by sp_batch (see _sp_pack_batch)
+            mode = "off"  # under SP every micro-batch is packed, as args.packing says, by _sp_layout (SPMicroBatch)
         elif self._is_vlm:
             mode, reason = "off", "a vision-language model's forward places image features by sequence"
         elif getattr(config, "attention_dropout", 0.0):  # a float the attention reads (TRL's disable_dropout keeps it)
@@ -754,4 +754,4 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
 
     def _sp_pack_batch(self, inputs: dict[str, Any]) -> SPMicroBatch:
         """This rank's view of a micro-batch packed into one row (see `SPMicroBatch`)."""
-        return SPMicroBatch.from_batch(inputs, self.sp_mesh, self._tokenizer.pad_token_id)
+        return SPMicroBatch.from_layout(self._sp_layout(inputs), self.sp_mesh, self._tokenizer.pad_token_id)

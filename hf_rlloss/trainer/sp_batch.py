@@ -3,23 +3,25 @@
 Under `sp_size > 1` each rank generates and scores its `1/sp_size` share of its SP group's generation batch; the
 group then pools the scored batch (`pool_over_group`, so every rank holds the group's batch in the same order),
 shuffles it alike on every rank (`shared_permutation`) and splits it into micro-batches. Each micro-batch is packed
-into one row (`pack_rows`, `PackedRows`) and every rank runs the backbone on a contiguous shard of it.
-`SPMicroBatch` carries that rank's input shard and the micro-batch's loss data in the same packed layout: the
-labels the loss context keeps (`sp_split` of the packed loss data inside `build`) and the input shard
-(`sp_shard_inputs` of the packed ids) are cut from one `PackedRows` by the same split, so they line up.
-"""
+into one row (a `PackedLayout` of `hf_rlloss.trainer.packing`: prompts shared or repeated, as
+`RLLossGRPOConfig.packing` says) and every rank runs the backbone on a contiguous shard of it. `SPMicroBatch` carries
+that rank's input shard and the micro-batch's loss data laid out by loss term (completion token): the terms the loss
+context keeps (`sp_split` of the term data inside `build`) and the hidden states `term_hidden` picks for them are cut
+by the same split, so they line up. `pack_rows` (`PackedRows`) is the padding-free packing of a padded batch."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..loss.fields import pad_value
-from ..parallel.sequence import sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
+from ..parallel.sequence import sp_all_gather, sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
+
+if TYPE_CHECKING:  # packing.py imports pack_rows from here
+    from .packing import PackedLayout
 
 __all__ = [
     "PackedRows",
@@ -85,19 +87,32 @@ def pack_rows(
 @dataclasses.dataclass(frozen=True)
 class SPMicroBatch:
     """One micro-batch of an SP group, as this rank sees it: the packed row, this rank's shard of its inputs, and the
-    loss data in the packed layout.
+    loss data in the layout of the loss terms.
+
+    The row is a `PackedLayout` (`hf_rlloss.trainer.packing`, `RLLossGRPOConfig.packing`): `"shared_prefix"` (TRL's
+    `TreeRow`, each prompt forwarded once) or `"padding_free"`, `N` positions, the same on every rank of the group,
+    which runs the backbone on its contiguous shard (`input_ids`, padded at the end to a multiple of the SP size) with
+    the whole row's tree layout (`attention_kwargs`, read by the Ulysses attention).
+
+    The loss is taken over its terms: the completion tokens `(rows[k], cols[k])` of the `(B, C)` batch in row-major
+    order (`completion_mask.nonzero()`), term `k` predicted from packed position `term_positions[k]`. In a shared
+    prefix a position can predict several terms (a prompt's last token predicts each of its completions' first
+    tokens), so the loss data are laid out by term, `(1, M)`, sequence by sequence (`num_tokens` terms each), and
+    split over the group like any packed row (`sp_split`: rank `r` takes terms `[r·M/W, (r+1)·M/W)`). A term's hidden
+    state may sit on another rank's shard: `term_hidden` all-gathers the row's last hidden states (differentiable,
+    one `(N, H)` gather per forward, against the `(N, H)` all-to-alls of every layer) and picks this rank's terms.
 
     Args:
-        packed (`PackedRows`): the micro-batch packed into one row of length `L` (the same on every rank).
-        input_ids (`torch.Tensor`): `(1, L_local)` this rank's shard of `packed.input_ids`, `L` padded to a multiple
+        layout (`PackedLayout`): the micro-batch packed into one row of length `N` (the same on every rank).
+        input_ids (`torch.Tensor`): `(1, N_local)` this rank's shard of `layout.input_ids`, `N` padded to a multiple
             of the SP size (`sp_shard_inputs`).
-        position_ids (`torch.Tensor`): `(1, L_local)` the shard's global positions (restarting per sequence).
+        position_ids (`torch.Tensor`): `(1, N_local)` the shard's global positions.
         sp_mesh (`DeviceMesh`): the SP group.
-        loss_data (`dict`, *optional*): the data for `rl_loss_config.build` in the packed layout (`with_loss_data`):
-            full length; `build(data, sp_mesh=...)` keeps this rank's shard with the `sp_split` that cut `input_ids`.
+        loss_data (`dict`, *optional*): the data for `rl_loss_config.build` in the term layout (`with_loss_data`):
+            full length; `build(data, sp_mesh=...)` keeps this rank's terms with the `sp_split` `shard` uses.
     """
 
-    packed: PackedRows
+    layout: PackedLayout
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     sp_mesh: DeviceMesh
@@ -105,49 +120,64 @@ class SPMicroBatch:
 
     @property
     def length(self) -> int:
-        """`L`, the packed row's length before SP padding."""
-        return self.packed.length
+        """`N`, the packed row's length before SP padding."""
+        return self.layout.forwarded_tokens
+
+    @property
+    def attention_kwargs(self) -> dict[str, Any]:
+        """The whole row's tree layout, for the Ulysses attention (`tree_*` keyword arguments of the forward)."""
+        return self.layout.attention_kwargs
+
+    @property
+    def terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(rows, cols)` `(M,)` each: the completion tokens of the `(B, C)` batch, in row-major order."""
+        return self.layout.completion_mask.nonzero(as_tuple=True)
+
+    @property
+    def term_positions(self) -> torch.Tensor:
+        """`(M,)` the packed position whose hidden state predicts each term."""
+        return self.layout.completion_index[self.terms]
 
     @classmethod
-    def from_batch(cls, batch: dict[str, Any], sp_mesh: DeviceMesh, pad_token_id: int) -> SPMicroBatch:
-        """The micro-batch of a TRL batch (`prompt_ids`/`prompt_mask` left-padded, `completion_*` right-padded)."""
-        return cls.from_tensors(
-            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], sp_mesh,
-            pad_token_id,
-        )  # fmt: skip
-
-    @classmethod
-    def from_tensors(cls, prompt_ids, prompt_mask, completion_ids, completion_mask, sp_mesh, pad_token_id):
-        """The micro-batch of `(B, P)` prompts and `(B, C)` completions (see `pack_rows`)."""
-        packed = pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        input_ids, position_ids = sp_shard_inputs(packed.input_ids, packed.position_ids, sp_mesh, pad_token_id)
-        return cls(packed, input_ids, position_ids, sp_mesh)
+    def from_layout(cls, layout: PackedLayout, sp_mesh: DeviceMesh, pad_token_id: int) -> SPMicroBatch:
+        """This rank's view of a micro-batch packed into `layout`."""
+        input_ids, position_ids = sp_shard_inputs(layout.input_ids, layout.position_ids, sp_mesh, pad_token_id)
+        return cls(layout, input_ids, position_ids, sp_mesh)
 
     def shard(self, values: torch.Tensor, padding_value: float) -> torch.Tensor:
-        """`(1, L_local)`: this rank's shard of a `(B, C)` completion-aligned tensor, aligned with `input_ids`
-        (position `i` holds the value of the token predicted from the hidden state at `i`)."""
-        return sp_split(self.packed.pack(values, padding_value), self.sp_mesh, 1, padding_value)
+        """`(1, M_local)`: this rank's terms of a `(B, C)` completion-aligned tensor, aligned with `term_hidden`."""
+        return sp_split(values[self.terms].unsqueeze(0), self.sp_mesh, 1, padding_value)
+
+    def term_hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # (1, N_local, H) -> (1, M_local, H)
+        """The hidden states predicting this rank's terms, from every rank's shard of the row's last hidden states
+        (collective over the group, differentiable: the backward sends each gradient to the rank of its position)."""
+        full = sp_all_gather(hidden[0], self.sp_mesh, dim=0)  # (N_padded, H)
+        picked = full.index_select(0, self.term_positions).unsqueeze(0)  # (1, M, H)
+        return sp_split(picked, self.sp_mesh, 1, 0.0)
 
     def gather(self, local: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """`(B, C, k)` from every rank's `(1, L_local, k)` shard of per-position values (collective over the group);
-        0 where no completion token is."""
-        full = sp_gather(local, self.sp_mesh, dim=1)[:, : self.packed.length]
-        return torch.stack([self.packed.unpack(full[..., i], shape) for i in range(full.shape[-1])], dim=-1)
+        """`(B, C, k)` from every rank's `(1, M_local, k)` per-term values (collective over the group); 0 where no
+        completion token is."""
+        rows, cols = self.terms
+        full = sp_gather(local, self.sp_mesh, dim=1)[0, : rows.numel()]
+        out = full.new_zeros(*shape, full.shape[-1])
+        out[rows, cols] = full
+        return out
 
     def with_loss_data(self, data: dict[str, Any], shape: tuple[int, int], ignore_idx: int) -> SPMicroBatch:
-        """This micro-batch with `data` in the packed layout: `(B, C)` tensors packed (padded with their field's
-        `pad_value`), `num_tokens` added, per-sequence values kept."""
+        """This micro-batch with `data` in the term layout: `(B, C)` tensors as `(1, M)` (the `sp_split` padding is
+        their field's `pad_value`), `num_tokens` (terms per sequence) added, per-sequence values kept."""
         out = {}
         for key, value in data.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-                value = self.packed.pack(value, pad_value(key, ignore_idx))
+                value = value[self.terms].unsqueeze(0)
             elif isinstance(value, torch.Tensor) and value.dim() > 1:
                 raise ValueError(
                     f"sequence parallelism: loss data {key!r} has shape {tuple(value.shape)}; expected the "
                     f"completions' shape {shape} or one value per sequence"
                 )
             out[key] = value
-        out["num_tokens"] = self.packed.num_tokens
+        out["num_tokens"] = self.layout.completion_mask.sum(dim=1)
         return dataclasses.replace(self, loss_data=out)
 
 
