@@ -90,6 +90,19 @@ def heldout_split(script_args: GRPOScriptArguments, dataset: datasets.DatasetDic
     return split
 
 
+def setup_logging(training_args, recipe_logger: logging.Logger = logger) -> None:
+    """Stage 1 of the recipes: one log format, the process's log level for the recipe's logger, datasets and
+    transformers, and the loss config the run uses."""
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler()]
+    )
+    log_level = training_args.get_process_log_level()
+    recipe_logger.setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    recipe_logger.info("loss config: %s", training_args.rl_loss_config.to_dict())
+
+
 def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, model_args: ModelConfig) -> None:
     # Stage 0: validate what can be validated before anything heavy is loaded
     reward_funcs = get_reward_funcs(script_args.reward_funcs)
@@ -99,14 +112,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         torch.set_num_threads(script_args.cpu_threads or len(os.sched_getaffinity(0)))
 
     # Stage 1: logging
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler()]
-    )
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    datasets.utils.logging.set_verbosity(log_level)
-    transformers.utils.logging.set_verbosity(log_level)
-    logger.info("loss config: %s", training_args.rl_loss_config.to_dict())
+    setup_logging(training_args)
 
     # Stage 2: resume from the newest complete checkpoint of output_dir, if any (incomplete ones are logged, skipped)
     checkpoint = training_args.resume_from_checkpoint

@@ -18,11 +18,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import datasets
 import torch
-import transformers
 from accelerate import PartialState
-from grpo import GRPOScriptArguments, load_data, parse_args
+from grpo import GRPOScriptArguments, load_data, parse_args, setup_logging
 from transformers import AutoTokenizer, set_seed
 
 from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
@@ -92,14 +90,7 @@ def main(
         torch.set_num_threads(script_args.cpu_threads or 1)
 
     # Stage 1: logging
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler()]
-    )
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    datasets.utils.logging.set_verbosity(log_level)
-    transformers.utils.logging.set_verbosity(log_level)
-    logger.info("loss config: %s", training_args.rl_loss_config.to_dict())
+    setup_logging(training_args, logger)
 
     # Stage 2: data, model path, tokenizer (TRL's async trainer loads the model from its path itself)
     dataset = load_data(script_args, training_args.seed)[script_args.dataset_train_split]
