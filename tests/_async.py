@@ -8,24 +8,14 @@ import queue
 
 import numpy as np
 import torch
-from _trainer_utils import SPECIALS, make_model, make_tokenizer
+from _trainer_utils import BASE_ARGS, SPECIALS, make_model, make_tokenizer
 from datasets import Dataset
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+# The synchronous tests' base arguments, plus what TRL's async trainer needs here
 ASYNC_ARGS = dict(
-    use_cpu=True,
-    bf16=False,
-    report_to="none",
-    per_device_train_batch_size=4,
+    BASE_ARGS,
     gradient_accumulation_steps=1,
-    num_generations=4,
-    max_completion_length=8,
-    activation_checkpointing=False,
-    logging_steps=1,
-    save_strategy="no",
-    learning_rate=1e-3,
-    disable_tqdm=True,
-    seed=0,
     dtype="float32",
     token_budget=0,  # fixed count per micro-batch: no vLLM server to ask for max_model_len
     max_staleness=100,
