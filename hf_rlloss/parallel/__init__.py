@@ -13,6 +13,7 @@ packed rows (`hf_rlloss.trainer.packing`, TRL's `TreeRow`) and the loss data of 
 """
 
 from .collectives import all_reduce, is_distributed, rank, world_size
+from .layouts import MIXER_RULES, ModelLayouts, check_sequence_parallel, model_layouts, resolve_packing
 from .sequence import (
     build_sp_mesh,
     destroy_process_groups,
@@ -37,18 +38,23 @@ from .ulysses import (
 )
 
 __all__ = [
+    "MIXER_RULES",
+    "ModelLayouts",
     "SP_WRAPPABLE_ATTENTION",
     "TREE_SDPA_ATTENTION",
     "ULYSSES_ATTENTION",
     "all_reduce",
     "build_sp_mesh",
+    "check_sequence_parallel",
     "destroy_process_groups",
     "is_distributed",
+    "model_layouts",
     "on_first_sp_rank",
     "pad_to_multiple",
     "rank",
     "register_tree_attention",
     "register_ulysses_attention",
+    "resolve_packing",
     "sp_all_gather",
     "sp_gather",
     "sp_group",

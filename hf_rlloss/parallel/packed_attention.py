@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from .layouts import switch_attention
 from .tree_attention import tree_attention_forward
 
 __all__ = ["PACKED_ATTENTION_PREFIX", "packed_forward", "register_packed_attention", "use_packed_attention"]
@@ -77,6 +78,12 @@ def register_packed_attention(native: str) -> str:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if "tree_kv_index" in kwargs:
             return tree_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if _PACKED_FORWARD:  # a packed row, but the model's layers dropped its layout on the way to the attention
+            raise ValueError(
+                f"{type(module).__name__} got a packed row without its tree_* layout (the model's layers do not pass "
+                "the attention keyword arguments on): its own attention would read the row as one sequence. Train "
+                "this model with packing='off'."
+            )
         return _native_attention(native, module)(module, query, key, value, attention_mask, **kwargs)
 
     native_mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(native)
@@ -93,9 +100,11 @@ def register_packed_attention(native: str) -> str:
 
 def use_packed_attention(lm: nn.Module) -> str:
     """Switch the causal LM `lm` (a transformers `PreTrainedModel`) to `"tree_or_<its attention>"`; returns the name.
-    Idempotent. Its ordinary forwards (generation, evaluation) are unchanged."""
+    Idempotent. Its ordinary forwards (generation, evaluation) are unchanged. Raises `ValueError` when the model
+    keeps its own attention (`layouts.switch_attention`): a packed row must never reach an attention that reads it
+    as one sequence."""
     native = getattr(lm.config, "_attn_implementation", None) or "sdpa"
     name = register_packed_attention(native)
     if native != name:
-        lm.set_attn_implementation(name)
+        switch_attention(lm, name, "packing")
     return name

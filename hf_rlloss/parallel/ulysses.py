@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .layouts import model_layouts, switch_attention
 from .sequence import sp_gather, sp_group, sp_world_size
 from .tree_attention import tree_attention
 
@@ -192,11 +193,9 @@ def use_ulysses_attention(lm: nn.Module, group_size: int, what: str) -> None:
             f"sp_size={sp}: {what} ({name}) has {heads} attention heads, not divisible by sp_size (Ulysses gives "
             "each rank of an SP group heads / sp_size of them); choose an sp_size that divides it"
         )
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"} or getattr(config, "sliding_window", None) is not None:
-        kinds = ", ".join(sorted(layer_types - {"full_attention"})) or "sliding_window"
+    layouts = model_layouts(lm)  # the one table of what each kind of layer can be rearranged into
+    if not layouts.allows("sequence_parallel"):
         raise ValueError(
-            f"sp_size={sp}: {what} ({name}) has attention layers other than full causal attention ({kinds}), "
-            "which the Ulysses attention does not implement"
+            f"sp_size={sp}: {what} ({name}) cannot be split over the ranks of an SP group exactly: {layouts.reason}"
         )
-    lm.set_attn_implementation(register_ulysses_attention())
+    switch_attention(lm, register_ulysses_attention(), f"sp_size={sp}: {what} ({name})")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import trl.experimental.async_grpo.async_grpo_trainer as trl_async
 from torch import nn
+from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, RolloutQueueDataset
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
@@ -41,6 +42,7 @@ from trl.trainer.utils import create_model_from_path, use_adapter
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
+from ..parallel.layouts import model_layouts, switch_attention, zero_attention_dropout
 from ..parallel.tree_attention import register_tree_attention
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .engines import activation_checkpointing_disabled, prepare_reference, reference_source
@@ -49,6 +51,8 @@ from .grpo_trainer import _overridden
 from .lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
 from .rollout_recording import replay_warpers
 
+logger = logging.get_logger(__name__)
+
 __all__ = [
     "PackedRow",
     "RLLossAsyncGRPOConfig",
@@ -56,7 +60,26 @@ __all__ = [
     "packed_row",
     "portable_async_trl",
     "tree_attention_name",
+    "use_tree_attention",
 ]
+
+
+def use_tree_attention(lm: nn.Module, name: str, what: str) -> None:
+    """Put the causal LM `lm` on the tree attention `name`, which every forward of the async trainer runs (TRL packs
+    each micro-batch into one prefix-trie row; there is no padded forward to fall back to). Refuses, before the first
+    step, a model whose layers a packed row is not exact for (`hf_rlloss.parallel.layouts`: state-space, linear
+    attention, convolutions, ...) or whose attention cannot be switched; zeroes its attention dropout, logged (TRL's
+    async trainer has no `disable_dropout`, and the tree attention has no dropout)."""
+    layouts = model_layouts(lm)
+    if not layouts.allows("shared_prefix"):
+        raise ValueError(
+            f"RLLossAsyncGRPOTrainer forwards every micro-batch as one packed row, which is not exact for {what} "
+            f"({layouts.model_type}): {layouts.reason}. Train it with RLLossGRPOTrainer (packing='off')."
+        )
+    zeroed = zero_attention_dropout(lm)
+    if zeroed:
+        logger.warning(f"{what}: attention dropout zeroed for the packed rows ({zeroed})")
+    switch_attention(lm, name, f"RLLossAsyncGRPOTrainer: {what}")
 
 
 def tree_attention_name(backend: str, device_type: str) -> str:
@@ -272,7 +295,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         # TRL loaded the model with its FA3 kernel's name; the portable attention gets a name of its own, so that a
         # stock trainer built later in the process (which re-registers "tree_fa3") cannot swap it back.
         self._attn_implementation = tree_attention_name(args.tree_attention, self.accelerator.device.type)
-        causal_lm(unwrapped).set_attn_implementation(self._attn_implementation)
+        use_tree_attention(causal_lm(unwrapped), self._attn_implementation, "the policy")
         self.rl_loss_config = with_model_softcapping(self.rl_loss_config, causal_lm(unwrapped))
         check_model_supported(unwrapped, self.rl_loss_config.logit_softcapping)
         self._loss_temperature = self.temperature / logit_scale(unwrapped.config.get_text_config())
@@ -294,7 +317,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
             init_kwargs.setdefault("dtype", self.args.dtype)
             source = create_model_from_path(source, device_map=None, **init_kwargs)
-        causal_lm(source).set_attn_implementation(self._attn_implementation)
+        use_tree_attention(causal_lm(source), self._attn_implementation, "the reference model")
         check_model_supported(source, self.rl_loss_config.logit_softcapping)
         return prepare_reference(source, self)
 

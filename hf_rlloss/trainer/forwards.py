@@ -166,7 +166,8 @@ class LossLayerForwards:
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
         mode = "off" if vision else self._packing
-        layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        # the router loss counts the prompt tokens of rows whose completion is fully masked, as TRL's padded forward
+        layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask, output_router_logits)
         if layout is None:
             input_ids, attention_mask = prompt_and_completion(batch)
             out = self.compute_hidden_states(

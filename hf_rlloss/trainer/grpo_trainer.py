@@ -55,6 +55,7 @@ from .lm_head import (
 )
 from .multimodal import SP_REFUSAL, multimodal_inputs
 from .nonfinite_guard import NonFiniteGradGuard
+from .packing import prepare_packing
 from .rollout_recording import (
     REPLAYED_SETTINGS,
     SampledTokenLogprobs,
@@ -323,21 +324,20 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         """`self._packing`, the layout of the training forwards (`args.packing` unless it cannot be exact for this
         model, logged), and the policy on the `"tree_or_<its attention>"` attention when a layout is packed."""
         mode, reason = args.packing, None
-        config = unwrapped.config.get_text_config()
         if mode == "off" or self.sp_mesh is not None:
             mode = "off"  # under SP every micro-batch is packed, as args.packing says, by _sp_layout (SPMicroBatch)
         elif self._is_vlm:
             mode, reason = "off", "a vision-language model's forward places image features by sequence"
-        elif getattr(config, "attention_dropout", 0.0):  # a float the attention reads (TRL's disable_dropout keeps it)
-            mode, reason = "off", f"attention_dropout={config.attention_dropout} (the tree attention has none)"
-        elif self.aux_loss_enabled and mode == "shared_prefix":
-            # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
-            mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
+        else:
+            if self.aux_loss_enabled and mode == "shared_prefix":
+                # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
+                mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
+            # the model's layers, attention dropout, its attention switched (hf_rlloss.parallel.layouts)
+            mode, why = prepare_packing(mode, self._causal_lm(unwrapped), getattr(args, "disable_dropout", False))
+            reason = why or reason
         if reason is not None:
             logger.warning(f"packing={args.packing!r} -> {mode!r}: {reason}")
         self._packing = mode
-        if mode != "off":
-            use_packed_attention(self._causal_lm(unwrapped))
 
     def _setup_sequence_parallel(self, unwrapped: nn.Module) -> None:
         """The policy on the Ulysses attention and `self.sp_mesh` (processes % sp_size: `RLLossGRPOConfig`'s check)."""

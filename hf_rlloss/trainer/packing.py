@@ -32,6 +32,8 @@ import torch
 from transformers.utils import logging
 
 from ..loss.metrics import Reduction, register_finalizer, register_metric
+from ..parallel.layouts import attention_dropout, model_layouts, resolve_packing, zero_attention_dropout
+from ..parallel.packed_attention import use_packed_attention
 from .sp_batch import pack_rows
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "pack_padding_free",
     "pack_shared_prefix",
     "packing_metrics",
+    "prepare_packing",
 ]
 
 logger = logging.get_logger(__name__)
@@ -144,10 +147,14 @@ def pack_padding_free(
     prompt_mask: torch.Tensor,  # (B, P)
     completion_ids: torch.Tensor,  # (B, C) right-padded
     completion_mask: torch.Tensor,  # (B, C)
+    every_prompt: bool = False,
 ) -> PackedLayout:
     """Each row's prompt and completion without padding, one segment per row (sequence parallelism's `pack_rows`),
-    attended as chains: the tree attention with every segment's path being the segment itself."""
-    prompt_mask = _rows_with_completions(prompt_mask, completion_mask)
+    attended as chains: the tree attention with every segment's path being the segment itself. The prompt of a row
+    without completion tokens is left out, unless `every_prompt` (the MoE router loss counts its tokens, as TRL's
+    padded forward does)."""
+    if not every_prompt:
+        prompt_mask = _rows_with_completions(prompt_mask, completion_mask)
     packed = pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask)
     lengths = packed.num_tokens[packed.num_tokens > 0]
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
@@ -221,6 +228,33 @@ def layout_fallback_reason(prompt_mask: torch.Tensor, completion_mask: torch.Ten
     return None
 
 
+def prepare_packing(requested: str, lm: torch.nn.Module, disable_dropout: bool) -> tuple[str, str | None]:
+    """The packing a causal LM `lm` trains with when `requested` (not `"off"`), and the reason of a fallback; `lm`
+    switched to the `"tree_or_<its attention>"` attention when the answer is packed.
+
+    A layout its layers cannot take exactly falls back (`hf_rlloss.parallel.layouts.resolve_packing`: a model with
+    state-space, linear-attention, convolution or recurrent layers trains `"off"`). Attention dropout under any of
+    its names (`attention_dropout`, `attn_pdrop`, a float or `nn.Dropout` on the attention module) is zeroed when
+    `disable_dropout=True` (logged), else the model trains `"off"`, where its own attention applies it. A model that
+    keeps its own attention when switched (`switch_attention`) trains `"off"`.
+    """
+    mode, reason = resolve_packing(requested, model_layouts(lm))
+    if mode == "off":
+        return mode, reason
+    dropouts = attention_dropout(lm)
+    if dropouts:
+        where = ", ".join(f"{k}={v}" for k, v in dropouts.items())
+        if not disable_dropout:
+            return "off", f"attention dropout ({where}): the tree attention has none (disable_dropout=True zeroes it)"
+        zero_attention_dropout(lm)
+        logger.warning(f"packing={mode!r}: attention dropout zeroed ({where}), as disable_dropout=True asks")
+    try:
+        use_packed_attention(lm)
+    except ValueError as error:
+        return "off", str(error)
+    return mode, reason
+
+
 _BUILDERS = {"shared_prefix": pack_shared_prefix, "padding_free": pack_padding_free}
 
 
@@ -230,9 +264,11 @@ def build_layout(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
+    every_prompt: bool = False,
 ) -> PackedLayout | None:
     """The packed layout of a micro-batch under `mode`, or `None` for the padded forward: `mode="off"`, or a batch
-    `layout_fallback_reason` rejects (logged once per reason)."""
+    `layout_fallback_reason` rejects (logged once per reason). `every_prompt` (`"padding_free"` only) keeps the
+    prompts of rows without completion tokens (the MoE router loss: TRL counts them)."""
     if mode not in PACKING_MODES:
         raise ValueError(f"packing={mode!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
     if mode == "off":
@@ -241,4 +277,8 @@ def build_layout(
     if reason is not None:
         logger.info_once(f"packing={mode!r}: {reason}, so this micro-batch is forwarded padded (packing='off')")
         return None
+    if every_prompt:
+        if mode != "padding_free":
+            raise ValueError(f"every_prompt=True needs packing='padding_free', got {mode!r}")
+        return pack_padding_free(prompt_ids, prompt_mask, completion_ids, completion_mask, every_prompt=True)
     return _BUILDERS[mode](prompt_ids, prompt_mask, completion_ids, completion_mask)
