@@ -130,7 +130,7 @@ def _module_mixers(backbone: nn.Module) -> dict[str, str]:
     for module in backbone.modules():
         name = type(module).__name__
         if isinstance(module, nn.Conv1d):
-            found.setdefault("convolution", f"{name} (a causal convolution)")
+            found.setdefault("convolution", name)
             continue
         for pattern, kind in _STATEFUL_CLASSES:
             if pattern.search(name):

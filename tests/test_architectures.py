@@ -1,0 +1,502 @@
+"""The architecture matrix: every causal-LM family people train, exact in every packing or fallen back with a reason.
+
+Each family of `_architectures.FAMILIES` (a tiny random 2-layer model, built in memory) runs one micro-batch through
+the trainer's forwards in every packing (`RLLossGRPOConfig.packing`): the per-token log-probs and the gradients of
+the loss are compared with `off` on one process, and `off` with each row alone through the model's own forward. A
+family whose layers a packed row is not exact for (`hf_rlloss.parallel.layouts`) must fall back, with the reason
+`EXPECTED_FALLBACK` names; under sequence parallelism it is refused before the first step. Every family of
+transformers' causal-LM mapping is either in the matrix or named in `NOT_IN_MATRIX` with its reason, so a new family
+in a future transformers fails `test_every_causal_lm_family_is_classified` until it is classified. The families of
+`FULL_MATRIX_FAMILIES` (built from transformers' defaults) run with HF_RLLOSS_FULL_MATRIX=1.
+
+`docs/architectures.md` holds the table this module generates (`generated_table`): `test_the_docs_table_is_generated`
+checks it; `HF_RLLOSS_WRITE_DOCS=1 python3 -m pytest tests/test_architectures.py -k docs_table` rewrites it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from _architectures import (
+    AUX_RTOL,
+    FAMILIES,
+    GRAD_RTOL,
+    LOGP_ATOL,
+    matrix_row,
+    run_cell,
+    tiny_model,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hf_rlloss.parallel import layouts
+from hf_rlloss.parallel.layouts import attention_dropout, model_layouts, switch_attention
+from hf_rlloss.parallel.ulysses import use_ulysses_attention
+from hf_rlloss.trainer import packing as packing_module
+from hf_rlloss.trainer.lm_head import causal_lm
+from hf_rlloss.trainer.packing import prepare_packing
+
+torch.set_num_threads(1)
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+MODES = ("padding_free", "shared_prefix")
+FULL_MATRIX = pytest.mark.skipif(
+    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the whole family sweep: set HF_RLLOSS_FULL_MATRIX=1"
+)
+
+# Families that must fall back to `off`, and a word of the reason they must give.
+EXPECTED_FALLBACK = {
+    "falcon": "do not pass the packed row's layout",
+    "falcon_alibi": "ALiBi",
+    "qwen3_next": "linear attention",
+    "lfm2": "causal convolution",
+    "granitemoehybrid": "state-space",
+    "bamba": "state-space",
+    "jamba": "state-space",
+    "falcon_h1": "state-space",
+    "zamba2": "state-space",
+}
+
+_ROWS: dict[str, dict] = {}
+
+
+def row(family: str) -> dict:
+    """The matrix row of `family`, computed once per session (the docs table reuses the matrix tests' rows)."""
+    if family not in _ROWS:
+        _ROWS[family] = matrix_row(family)
+    return _ROWS[family]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The matrix
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_architecture_matrix(family):
+    """`off` equals each row alone through the model's own forward; every packing equals `off`, or the family falls
+    back to `off` with its reason; an MoE router loss equals `off`'s, the truncated row's prompt included."""
+    result = row(family)
+    logp, grad = result["alone"]
+    assert logp <= LOGP_ATOL and grad <= GRAD_RTOL, (family, "off vs each row alone", logp, grad)
+    for mode in MODES:
+        cell = result[mode]
+        assert cell["error"] is None, (family, mode, cell["error"])
+        if family in EXPECTED_FALLBACK:
+            assert cell["used"] == "off" and EXPECTED_FALLBACK[family] in cell["reason"], (family, mode, cell)
+            continue
+        assert cell["used"] != "off", (family, mode, cell["reason"])
+        assert cell["logp"] <= LOGP_ATOL and cell["grad"] <= GRAD_RTOL, (family, mode, cell)
+    if "router" in result:
+        router = result["router"]
+        assert math.isclose(router["aux"], router["aux_off"], rel_tol=AUX_RTOL), (family, router)
+        assert router["grad"] <= GRAD_RTOL, (family, router)
+
+
+def test_the_matrix_covers_what_it_must():
+    """The families the matrix was asked for, the hybrids and the MoE families with a router loss are in it."""
+    required = {
+        "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+        "granite", "cohere", "cohere2", "gpt_oss", "smollm3", "gpt2", "gpt_bigcode", "deepseek_v3", "glm4", "exaone4",
+        "starcoder2", "gpt_neox", "falcon", "mixtral", "qwen2_moe", "olmoe", "qwen3_next", "lfm2", "granitemoehybrid",
+        "jamba", "bamba", "falcon_h1", "zamba2",
+    }  # fmt: skip
+    assert required <= set(FAMILIES)
+    routers = {f for f in FAMILIES if "router" in row(f)}
+    assert {"qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"} <= routers, routers
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The comparison catches a wrong layout
+
+
+def _caught(cell: dict) -> bool:
+    """Whether `test_architecture_matrix` would fail on this cell."""
+    return cell["logp"] > LOGP_ATOL or cell["grad"] > GRAD_RTOL
+
+
+def _shift_positions(monkeypatch, shift):
+    """Make the packed layouts' positions wrong (`shift(position_ids)`), as a buggy packer would."""
+    original = packing_module.build_layout
+
+    def broken(*args, **kwargs):
+        layout = original(*args, **kwargs)
+        if layout is None:
+            return None
+        return type(layout)(**{**layout.__dict__, "position_ids": shift(layout.position_ids)})
+
+    monkeypatch.setattr("hf_rlloss.trainer.forwards.build_layout", broken)
+
+
+@pytest.mark.parametrize(
+    "family,shift",
+    [
+        ("llama", lambda p: p + (p > 0).long()),  # RoPE: only relative positions matter, so open a gap after token 0
+        ("gpt2", lambda p: p + 1),  # absolute position embeddings: every position off by one
+    ],
+)
+def test_a_broken_layout_is_caught(monkeypatch, family, shift):
+    _shift_positions(monkeypatch, shift)
+    result = matrix_row(family)
+    for mode in MODES:
+        assert result[mode]["used"] == mode and _caught(result[mode]), (mode, result[mode])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granitemoehybrid"])
+def test_a_wrong_rule_is_caught(monkeypatch, family):
+    """Were the stateful mixers (linear attention, convolution, state-space) declared exact in a packed row, the
+    hybrids' packed log-probs would be wrong: the comparison sees it (the rule's fallback is needed, and the matrix
+    would catch a wrong entry)."""
+    for kind in ("linear_attention", "convolution", "state_space"):
+        monkeypatch.setitem(layouts.MIXER_RULES, kind, layouts.MixerRule(layouts.MIXER_RULES["attention"].exact))
+    result = matrix_row(family)
+    for mode in MODES:  # (an MoE router loss trains shared_prefix as padding_free)
+        assert result[mode]["used"] != "off" and _caught(result[mode]), (mode, result[mode])
+
+
+def test_a_model_that_drops_the_layout_is_stopped(monkeypatch):
+    """Falcon's layers do not pass the attention's keyword arguments on: without its entry in the rule, the packed
+    forward reaches the attention without its layout, and the attention refuses it rather than read the row as one
+    sequence."""
+    monkeypatch.delitem(layouts._FAMILY_MIXERS, "falcon")
+    result = matrix_row("falcon")
+    for mode in MODES:
+        assert "without its tree_* layout" in result[mode]["error"], result[mode]
+
+
+def test_the_router_loss_counts_the_truncated_rows_prompt(monkeypatch):
+    """TRL's router loss covers the prompt of a row whose completion is fully masked; dropping it (what the packed
+    layouts do for the log-probs) gives another value: the matrix's batch would catch it."""
+    model = tiny_model("qwen3_moe")
+    reference = run_cell(model, "off", router=True)["aux"]
+    original = packing_module.pack_padding_free
+    with monkeypatch.context() as patch:
+        patch.setattr(packing_module, "pack_padding_free", lambda *a, every_prompt=False: original(*a))
+        dropped = run_cell(model, "padding_free", router=True)["aux"]
+    assert not math.isclose(dropped, reference, rel_tol=100 * AUX_RTOL), (dropped, reference)
+    assert math.isclose(run_cell(model, "padding_free", router=True)["aux"], reference, rel_tol=AUX_RTOL)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Refusals, fallbacks and dropout, before the first step
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granitemoehybrid", "falcon", "gemma2"])
+def test_sequence_parallel_is_refused_where_it_is_not_exact(family):
+    model = causal_lm(tiny_model(family))
+    with pytest.raises(ValueError, match=r"sp_size=2: the policy .* cannot be split over the ranks"):
+        use_ulysses_attention(model, 2, "the policy")
+
+
+def test_sequence_parallel_is_allowed_for_attention_models():
+    model = causal_lm(tiny_model("llama"))
+    use_ulysses_attention(model, 2, "the policy")
+    assert model.config._attn_implementation == "ulysses_sdpa"
+
+
+def test_attention_dropout_under_every_name_falls_back_or_is_zeroed():
+    """GPT-2 (`attn_pdrop`, an `nn.Dropout` the attention reads `p` of) and GPTBigCode (a float on the module, which
+    TRL's `disable_dropout` leaves): packed only with `disable_dropout=True`, which zeroes them; else `off`."""
+    gpt2 = causal_lm(tiny_model("gpt2"))
+    assert prepare_packing("shared_prefix", gpt2, disable_dropout=False)[0] == "off"
+    assert "attn_pdrop=0.1" in prepare_packing("shared_prefix", gpt2, disable_dropout=False)[1]
+    bigcode = causal_lm(tiny_model("gpt_bigcode"))
+    assert "transformer.h.0.attn.attn_dropout" in attention_dropout(bigcode)
+    assert prepare_packing("shared_prefix", bigcode, disable_dropout=True) == ("shared_prefix", None)
+    assert attention_dropout(bigcode) == {} and bigcode.transformer.h[0].attn.attn_dropout == 0.0
+    run_cell(bigcode, "shared_prefix")  # training mode: the tree attention would raise on a dropout
+
+
+def test_an_attention_that_is_not_switched_is_refused(monkeypatch):
+    """transformers only warns when a model cannot switch its attention: the switch is checked."""
+    model = causal_lm(tiny_model("llama"))
+    monkeypatch.setattr(type(model), "set_attn_implementation", lambda self, name: None)
+    with pytest.raises(ValueError, match="kept attn_implementation=sdpa when asked for 'tree_or_sdpa'"):
+        switch_attention(model, "tree_or_sdpa", "packing")
+    used, reason = prepare_packing("shared_prefix", model, disable_dropout=True)
+    assert used == "off" and "kept attn_implementation" in reason
+
+
+def test_model_layouts_reads_the_mixers():
+    assert model_layouts(tiny_model("llama")).exact == ("sequence_parallel", "shared_prefix", "padding_free", "off")
+    hybrid = model_layouts(tiny_model("lfm2"))
+    assert hybrid.exact == ("off",) and "convolution" in hybrid.mixers and "lfm2" == hybrid.model_type
+    assert model_layouts(tiny_model("gemma2")).exact == ("shared_prefix", "padding_free", "off")  # no SP windows
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Every family of transformers is classified
+
+# Families of transformers' causal-LM mapping outside the matrix, by name, with the reason.
+_ENCODER = "an encoder (masked LM) or an encoder-decoder's decoder, not a decoder-only policy GRPO trains"
+_MULTIMODAL = "a multimodal (vision/audio/speech) model: the trainer trains it padded (packing='off')"
+
+
+def _unbuilt(why: str) -> str:
+    return f"no tiny model built here ({why}): the trainer applies hf_rlloss.parallel.layouts' rule to it, unverified"
+
+
+NOT_IN_MATRIX: dict[str, str] = {
+    "bert": _ENCODER,
+    "bert-generation": _ENCODER,
+    "big_bird": _ENCODER,
+    "camembert": _ENCODER,
+    "data2vec-text": _ENCODER,
+    "electra": _ENCODER,
+    "ernie": _ENCODER,
+    "megatron-bert": _ENCODER,
+    "rembert": _ENCODER,
+    "roberta": _ENCODER,
+    "roberta-prelayernorm": _ENCODER,
+    "roformer": _ENCODER,
+    "xlm": _ENCODER,
+    "xlm-roberta": _ENCODER,
+    "xlm-roberta-xl": _ENCODER,
+    "xmod": _ENCODER,
+    "roc_bert": _ENCODER,
+    "reformer": _ENCODER,
+    "xlnet": _ENCODER,
+    "prophetnet": _ENCODER,
+    "bart": _ENCODER,
+    "bigbird_pegasus": _ENCODER,
+    "blenderbot": _ENCODER,
+    "blenderbot-small": _ENCODER,
+    "marian": _ENCODER,
+    "mbart": _ENCODER,
+    "mvp": _ENCODER,
+    "pegasus": _ENCODER,
+    "plbart": _ENCODER,
+    "trocr": _ENCODER,
+    "whisper": _ENCODER,
+    "fuyu": _MULTIMODAL,
+    "git": _MULTIMODAL,
+    "moshi": _MULTIMODAL,
+    "emu3": _MULTIMODAL,
+    "gemma3": _MULTIMODAL,
+    "gemma3n": _MULTIMODAL,
+    "gemma4": _MULTIMODAL,
+    "gemma4_unified": _MULTIMODAL,
+    "got_ocr2": _MULTIMODAL,
+    "llama4": _MULTIMODAL,
+    "mllama": _MULTIMODAL,
+    "moss_transcribe_diarize": _MULTIMODAL,
+    "musicgen": _MULTIMODAL,
+    "musicgen_melody": _MULTIMODAL,
+    "phi4_multimodal": _MULTIMODAL,
+    "qwen3_5": _MULTIMODAL,
+    "qwen3_5_moe": _MULTIMODAL,
+    "qwen4_exp": _MULTIMODAL,
+    "dots3_note": _MULTIMODAL,
+    "axk1": _unbuilt("MLA shapes"),
+    "axk2": _unbuilt("MLA shapes"),
+    "bailing_hybrid": _unbuilt("its defaults make every layer linear attention"),
+    "blt": _unbuilt("byte-level patching model, slow to build"),
+    "cohere_compass_text": _unbuilt("layer types"),
+    "dbrx": _unbuilt("its nested attention config"),
+    "dots3_note_text": _unbuilt("its validation"),
+    "gemma3n_text": _unbuilt("its cache layer types"),
+    "gemma4_assistant": _unbuilt("a draft model for speculative decoding"),
+    "gemma4_unified_assistant": _unbuilt("a draft model for speculative decoding"),
+    "kimi_linear": _unbuilt("its linear-attention shapes"),
+    "kolibri1_1": _unbuilt("NVFP4 rounding"),
+    "qwen4_exp_text": _unbuilt("its defaults make every layer linear attention"),
+    "xlstm": _unbuilt("its state shapes"),
+    "youtu": _unbuilt("3.6 M parameters at the tiny sizes"),
+    "zaya": _unbuilt("one expert per token only"),
+}
+
+# Families of the mapping built from transformers' defaults (shrunk by `TINY`, `FULL_OVERRIDES`) and run in the full
+# matrix (HF_RLLOSS_FULL_MATRIX=1).
+FULL_MATRIX_FAMILIES: tuple[str, ...] = (
+    "afmoe",
+    "apertus",
+    "apertus1p5_text",
+    "arcee",
+    "aria_text",
+    "beam",
+    "biogpt",
+    "bitnet",
+    "bloom",
+    "codegen",
+    "cohere2_moe",
+    "cpmant",
+    "ctrl",
+    "cwm",
+    "deepseek_v2",
+    "deepseek_v32",
+    "deepseek_v4",
+    "diffllama",
+    "doge",
+    "dory",
+    "dots1",
+    "ergo",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "exaone",
+    "exaone_moe",
+    "falcon_mamba",
+    "flex_olmo",
+    "flint",
+    "gemma4_text",
+    "gemma4_unified_text",
+    "glm",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "gpt-sw3",
+    "gpt_neo",
+    "gpt_neox_japanese",
+    "gptj",
+    "granite_swa",
+    "granitemoe",
+    "granitemoe_swa",
+    "granitemoeshared",
+    "helium",
+    "hrm_text",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "hy_v3",
+    "hy_v4",
+    "hyperclovax",
+    "inkling2_loop_text",
+    "inkling2_text",
+    "inkling_text",
+    "internlm3",
+    "iquestcoder",
+    "jais2",
+    "jetmoe",
+    "kolibri1",
+    "laguna",
+    "lara_mini",
+    "lfm2_moe",
+    "lfm3",
+    "llama4_text",
+    "longcat_flash",
+    "mamba",
+    "mamba2",
+    "mellum",
+    "mimo_v2_flash",
+    "minicpm3",
+    "minicpm5_moe",
+    "minimax",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "ministral",
+    "ministral3",
+    "modernbert-decoder",
+    "mpt",
+    "nanochat",
+    "nemotron",
+    "nemotron_h",
+    "olmo",
+    "olmo3",
+    "olmo_hybrid",
+    "openai-gpt",
+    "opt",
+    "param2moe",
+    "persimmon",
+    "phi",
+    "phimoe",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "recurrent_gemma",
+    "rwkv",
+    "sarvam_mla",
+    "sarvam_moe",
+    "seed_oss",
+    "solar_open",
+    "stablelm",
+    "vaultgemma",
+    "xglm",
+    "zamba",
+)
+
+
+def test_every_causal_lm_family_is_classified():
+    unclassified = sorted(
+        name
+        for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if name not in FAMILIES and name not in NOT_IN_MATRIX and name not in FULL_MATRIX_FAMILIES
+    )
+    assert not unclassified, (
+        f"causal-LM families of this transformers in neither the architecture matrix nor NOT_IN_MATRIX: {unclassified}"
+    )
+
+
+@FULL_MATRIX
+@pytest.mark.parametrize("family", FULL_MATRIX_FAMILIES)
+def test_full_architecture_matrix(family):
+    result = row(family)
+    logp, grad = result["alone"]
+    assert logp <= LOGP_ATOL and grad <= GRAD_RTOL, (family, "off vs each row alone", logp, grad)
+    for mode in MODES:
+        cell = result[mode]
+        assert cell["error"] is None, (family, mode, cell["error"])
+        if cell["used"] == "off":
+            assert cell["reason"], (family, mode)
+        else:
+            assert cell["logp"] <= LOGP_ATOL and cell["grad"] <= GRAD_RTOL, (family, mode, cell)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The docs table
+
+BEGIN, END = "<!-- architecture-matrix:begin -->", "<!-- architecture-matrix:end -->"
+
+
+def _number(x: float) -> str:
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def generated_table() -> str:
+    lines = [
+        "| family | off vs rows alone (Δ log p / Δ grad) | padding_free | shared_prefix | router loss (packed / off) "
+        "|",
+        "|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        result = row(family)
+        cells = [f"`{family}`", " / ".join(_number(x) for x in result["alone"])]
+        for mode in MODES:
+            cell = result[mode]
+            if cell["used"] == "off":
+                cells.append("**off**: " + ", ".join(f"{k.replace('_', ' ')} ({v})" for k, v in cell["kinds"].items()))
+                continue
+            text = f"{_number(cell['logp'])} / {_number(cell['grad'])}"
+            if cell["used"] != mode:
+                text = f"as **{cell['used']}** (router loss): {text}"
+            if cell["zeroed"]:
+                text += f"; attention dropout zeroed ({', '.join(cell['zeroed'])})"
+            cells.append(text)
+        router = result.get("router")
+        cells.append(f"{router['aux']:.6f} / {router['aux_off']:.6f}" if router else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_NUMBER = re.compile(r"\d\.\d+e[-+]\d+|\b0\b|\d+\.\d{6}")
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in _NUMBER.findall(text)]
+
+
+def test_the_docs_table_is_generated():
+    """docs/architectures.md holds this module's table: the same families, layouts and reasons, and numbers that
+    pass the same tolerances (they are round-off: another machine reorders float32 sums differently)."""
+    table = generated_table()
+    page = DOCS.read_text()
+    head, rest = page.split(BEGIN)
+    _, tail = rest.split(END)
+    if os.environ.get("HF_RLLOSS_WRITE_DOCS") == "1":
+        DOCS.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+        page = DOCS.read_text()
+    committed = page.split(BEGIN)[1].split(END)[0].strip()
+    assert _NUMBER.sub("#", committed) == _NUMBER.sub("#", table), "regenerate: HF_RLLOSS_WRITE_DOCS=1 (module doc)"
+    # Differences pass or fail alike (both within the larger tolerance); router losses (printed to 6 decimals, of
+    # order 2: 5e-7 of rounding) agree to AUX_RTOL.
+    for old, new in zip(_numbers(committed), _numbers(table)):
+        within = old <= GRAD_RTOL and new <= GRAD_RTOL
+        assert within or math.isclose(old, new, rel_tol=AUX_RTOL, abs_tol=1e-6), (old, new)
