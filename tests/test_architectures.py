@@ -219,6 +219,20 @@ def test_an_attention_that_is_not_switched_is_refused(monkeypatch):
     assert used == "off" and "kept attn_implementation" in reason
 
 
+def test_the_async_trainer_refuses_what_it_cannot_pack():
+    """The async trainer packs every micro-batch (no padded forward): a hybrid is refused at construction, attention
+    dropout is zeroed (logged), an attention model is switched."""
+    from hf_rlloss.parallel.tree_attention import register_tree_attention
+    from hf_rlloss.trainer.async_grpo_trainer import use_tree_attention
+
+    name = register_tree_attention()
+    with pytest.raises(ValueError, match=r"RLLossAsyncGRPOTrainer .* not exact for the policy \(lfm2\)"):
+        use_tree_attention(causal_lm(tiny_model("lfm2")), name, "the policy")
+    bigcode = causal_lm(tiny_model("gpt_bigcode"))
+    use_tree_attention(bigcode, name, "the policy")
+    assert attention_dropout(bigcode) == {} and bigcode.config._attn_implementation == name
+
+
 def test_model_layouts_reads_the_mixers():
     assert model_layouts(tiny_model("llama")).exact == ("sequence_parallel", "shared_prefix", "padding_free", "off")
     hybrid = model_layouts(tiny_model("lfm2"))
