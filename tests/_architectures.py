@@ -29,7 +29,13 @@ from hf_rlloss.loss.chunked_logprobs import chunked_objective
 from hf_rlloss.parallel import layouts
 from hf_rlloss.parallel.layouts import attention_dropout, zero_attention_dropout
 from hf_rlloss.trainer.forwards import LossLayerForwards
-from hf_rlloss.trainer.lm_head import causal_lm, head_logprobs, load_balancing_loss_func, logit_scale
+from hf_rlloss.trainer.lm_head import (
+    causal_lm,
+    check_model_supported,
+    head_logprobs,
+    load_balancing_loss_func,
+    logit_scale,
+)
 from hf_rlloss.trainer.packing import prepare_packing
 
 VOCAB = 64
@@ -273,6 +279,11 @@ def matrix_row(family: str, modes=("padding_free", "shared_prefix")) -> dict:
     what a packed forward raised. The router entry (MoE models whose router loss TRL trains) compares the
     padding-free router loss (what `shared_prefix` also falls back to) and the gradients of the loss plus it."""
     raw = tiny_model(family)
+    softcap = getattr(raw.config.get_text_config(), "final_logit_softcapping", None)
+    try:  # what the trainer refuses at construction (an LM head with a bias, ...), it never packs
+        check_model_supported(raw, softcap)
+    except ValueError as error:
+        return {"refused": str(error)}
     disable_dropout_in_model(raw)  # TRL's disable_dropout=True: the nn.Dropout modules
     base = copy.deepcopy(raw)
     zero_attention_dropout(base)  # the reference computation: no dropout at all
