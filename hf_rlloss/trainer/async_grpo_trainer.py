@@ -43,11 +43,10 @@ from ..loss.context import BaseRLLossContext
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.tree_attention import register_tree_attention
 from .async_grpo_config import RLLossAsyncGRPOConfig
-from .common.engines import activation_checkpointing_disabled
+from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
 from .common.lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
 from .common.overrides import overridden
-from .common.reference import load_reference, prepare_reference, reference_source
 from .common.rollout_recording import replay_warpers
 
 __all__ = [

@@ -24,7 +24,7 @@ from ..loss.fields import FROM_TRL
 from ..loss.metrics import finalize_step_metrics
 from ..parallel.packed_attention import use_packed_attention
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
-from .common.engines import activation_checkpointing_disabled
+from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
 from .common.lm_head import (
     causal_lm,
@@ -35,7 +35,6 @@ from .common.lm_head import (
 )
 from .common.multimodal import SP_REFUSAL
 from .common.overrides import overridden, trl_deprecated_aliases_silenced
-from .common.reference import load_reference, prepare_reference, reference_source
 from .common.sp_batch import pool_over_group
 from .grpo_config import RLLossGRPOConfig
 from .sync.checkpoints import CompleteCheckpoints
