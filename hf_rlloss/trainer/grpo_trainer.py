@@ -104,6 +104,7 @@ class RLLossGRPOTrainer(
     ...         "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
     ...         "loss_agg_mode": "token-mean",
     ...         "use_kl_loss": True,
+    ...         "kl_loss_type": "k3",
     ...         "kl_loss_coef": 0.001,
     ...     },
     ... )
