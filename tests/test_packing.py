@@ -1,5 +1,5 @@
-"""Packed training forwards (`RLLossGRPOConfig.packing`, `hf_rlloss.trainer.packing`): the layout in closed form, the
-map back to the completion-aligned hidden states, and the same update in every mode.
+"""Packed training forwards (`RLLossGRPOConfig.packing`, `hf_rlloss.trainer.common.packing`): the layout in closed
+form, the map back to the completion-aligned hidden states, and the same update in every mode.
 
 The trainer tests train the same tiny model on the same completions (`FixedCompletions`: a function of the prompt
 only) with `packing="off"`, `"padding_free"` and `"shared_prefix"`, and compare the loss of every step and the
@@ -30,7 +30,12 @@ from datasets import Dataset
 
 from hf_rlloss.parallel.packed_attention import packed_forward, use_packed_attention
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer.packing import build_layout, layout_fallback_reason, pack_padding_free, pack_shared_prefix
+from hf_rlloss.trainer.common.packing import (
+    build_layout,
+    layout_fallback_reason,
+    pack_padding_free,
+    pack_shared_prefix,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(1)
@@ -227,7 +232,7 @@ def test_the_trainer_falls_back_where_packing_is_not_exact(case, expected):
     from transformers.testing_utils import CaptureLogger
 
     from hf_rlloss.trainer import grpo_trainer
-    from hf_rlloss.trainer.lm_head import causal_lm
+    from hf_rlloss.trainer.common.lm_head import causal_lm
 
     model = tiny_qwen2(attention_dropout=case.get("attention_dropout", 0.0))
     trainer = SimpleNamespace(sp_mesh=None, _is_vlm=False, aux_loss_enabled=False, _causal_lm=causal_lm)
