@@ -28,15 +28,15 @@ from trl.trainer.utils import disable_dropout_in_model
 from hf_rlloss.loss.chunked_logprobs import chunked_objective
 from hf_rlloss.parallel import layouts
 from hf_rlloss.parallel.layouts import attention_dropout, zero_attention_dropout
-from hf_rlloss.trainer.forwards import LossLayerForwards
-from hf_rlloss.trainer.lm_head import (
+from hf_rlloss.trainer.common.forwards import LossLayerForwards
+from hf_rlloss.trainer.common.lm_head import (
     causal_lm,
     check_model_supported,
     head_logprobs,
     load_balancing_loss_func,
     logit_scale,
 )
-from hf_rlloss.trainer.packing import prepare_packing
+from hf_rlloss.trainer.common.packing import prepare_packing
 
 VOCAB = 64
 PAD = 0

@@ -36,9 +36,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hf_rlloss.parallel import layouts
 from hf_rlloss.parallel.layouts import attention_dropout, model_layouts, switch_attention
 from hf_rlloss.parallel.ulysses import use_ulysses_attention
-from hf_rlloss.trainer import packing as packing_module
-from hf_rlloss.trainer.lm_head import causal_lm
-from hf_rlloss.trainer.packing import prepare_packing
+from hf_rlloss.trainer.common import packing as packing_module
+from hf_rlloss.trainer.common.lm_head import causal_lm
+from hf_rlloss.trainer.common.packing import prepare_packing
 
 torch.set_num_threads(1)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
@@ -127,7 +127,7 @@ def _shift_positions(monkeypatch, shift):
             return None
         return type(layout)(**{**layout.__dict__, "position_ids": shift(layout.position_ids)})
 
-    monkeypatch.setattr("hf_rlloss.trainer.forwards.build_layout", broken)
+    monkeypatch.setattr("hf_rlloss.trainer.common.forwards.build_layout", broken)
 
 
 @pytest.mark.parametrize(
