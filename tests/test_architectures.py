@@ -445,8 +445,6 @@ FULL_MATRIX_OPEN = {
     "biogpt": "off differs from each row alone (functional dropout/layerdrop TRL's disable_dropout leaves)",
     "opt": "off differs from each row alone (functional dropout/layerdrop TRL's disable_dropout leaves)",
     "seed_oss": "off differs from each row alone (residual/attention-output dropout floats)",
-    "ctrl": "packed gradients differ from off's (sinusoidal positions; not investigated)",
-    "modernbert-decoder": "off differs from each row alone",
     "cpmant": "off differs from each row alone",
     "xglm": "off differs from each row alone",
     "rwkv": "off differs from each row alone",
@@ -459,7 +457,6 @@ FULL_MATRIX_OPEN = {
     "jetmoe": "the packed forward fails (a view of a non-contiguous tensor)",
     "doge": "the forward fails on the tiny config",
     "flint": "the forward fails on the tiny config",
-    "llama4_text": "its backbone returns no last_hidden_state",
 }
 
 

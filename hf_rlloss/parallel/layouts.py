@@ -97,6 +97,8 @@ _LAYER_TYPES = {
 # by the architecture matrix (tests/test_architectures.py); model_type -> (kind, what it does).
 _FAMILY_MIXERS = {
     "falcon": ("layout_not_passed", "FalconModel calls its decoder layers without **kwargs"),
+    "nemotron": ("layout_not_passed", "NemotronDecoderLayer calls its attention without **kwargs"),
+    "stablelm": ("layout_not_passed", "StableLmDecoderLayer calls its attention without **kwargs"),
 }
 # Module classes (by name) that carry a state along the sequence -> kind; `nn.Conv1d` in the backbone is a convolution.
 _STATEFUL_CLASSES = (
