@@ -35,7 +35,7 @@ from .loss import (
 )
 from .parallel import sp_gather, sp_split
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):
