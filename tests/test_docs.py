@@ -57,12 +57,33 @@ def test_site_builds_in_strict_mode(tmp_path):
         html = site / (stem.parent if stem.name == "index" else stem) / "index.html"
         assert html.is_file(), f"{page} was not rendered"
     # the API reference holds the docstrings, the notebooks their outputs
-    api = (site / "api" / "loss" / "index.html").read_text(encoding="utf8")
-    assert 'id="hf_rlloss.loss.config.GRPOLossConfig"' in api and "policy_loss_cfg" in api
+    _check_api_reference(site)
     notebook = (site / "notebooks" / "01_subclassing_the_trainer" / "index.html").read_text(encoding="utf8")
     assert "all checks passed" in notebook and "data:image/png;base64" in notebook
     assert "all checks passed" in (site / "notebooks" / "02_the_loss_layer" / "index.html").read_text(encoding="utf8")
     print(f"mkdocs build --strict: {seconds:.1f} s")
+
+
+def _check_api_reference(site: Path) -> None:
+    """Each public name documented once, where users import it (`hf_rlloss.X`); pydantic fields listed; no raw HF
+    docstring syntax, no `logger` entry; the recipe support included."""
+    pages = {p.parent.name: p.read_text(encoding="utf8") for p in (site / "api").glob("*/index.html")}
+    html = "\n".join(pages.values())
+    for name in _public_names():
+        assert html.count(f'id="hf_rlloss.{name}"') == 1, f"hf_rlloss.{name} is not documented exactly once"
+    config = pages["loss_config"]
+    assert "policy_loss_cfg" in config and "loss_agg_mode" in config and "Fields:" in config  # griffe-pydantic
+    for raw in ("[`~", "*optional*", "[`RLLossGRPOConfig`]"):
+        assert raw not in html, f"raw HF docstring syntax {raw!r} in the API reference"
+    assert not re.search(r'id="[\w.]*\.logger"', html), "a logger has an entry"
+    assert 'id="hf_rlloss.recipe_support.assets.make_tiny_model"' in pages["recipe_support"]
+    # cross-references are links: to an entry of the reference, and to a page of the site
+    assert 'href="../trainers/#hf_rlloss.RLLossGRPOConfig"' in html or 'href="#hf_rlloss.RLLossGRPOConfig"' in html
+    assert 'href="../../design/' in pages["trainers"]
+    # signatures are wrapped: no line of a rendered signature wider than the page
+    for signature in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', html, flags=re.S):
+        text = re.sub(r"<[^>]+>", "", signature)
+        assert max(len(line) for line in text.splitlines()) <= 110, text
 
 
 def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav():
