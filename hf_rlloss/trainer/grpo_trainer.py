@@ -62,6 +62,7 @@ from .rollout_recording import (
     recording_logprobs,
     truncation_replay,
 )
+from .routing_replay import RoutingReplayTrainer
 from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
@@ -115,7 +116,9 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, DynamicSampling, GRPOTrainer):
+class RLLossGRPOTrainer(
+    CompleteCheckpoints, NonFiniteGradGuard, RoutingReplayTrainer, LossLayerForwards, DynamicSampling, GRPOTrainer
+):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
@@ -273,6 +276,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             self._setup_sequence_parallel(unwrapped)
         self._setup_packing(args, unwrapped)
         self.ref_model = self._build_reference(reference)
+        self._setup_routing_replay(unwrapped)  # MoE: see routing_replay.py
         self._setup_dynamic_sampling()
         if args.sync_ref_model:
             if not self.rl_loss_config.use_kl_loss:
@@ -333,6 +337,8 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         elif self.aux_loss_enabled and mode == "shared_prefix":
             # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
             mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
+        elif args.routing_replay != "off" and mode == "shared_prefix":
+            mode, reason = "padding_free", "routing_replay: each row replays the routes of its own prompt"
         if reason is not None:
             logger.warning(f"packing={args.packing!r} -> {mode!r}: {reason}")
         self._packing = mode
@@ -418,7 +424,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
         if not (hf_generate and self.args.record_rollout_logprobs):
-            return generate(*inputs)
+            return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         mode = self.generation_config.get_generation_mode()
         if mode != GenerationMode.SAMPLE:
             # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
@@ -429,10 +435,10 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
                     f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: "
                     "no rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
                 )
-            return generate(*inputs)
+            return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         recorder = SampledTokenLogprobs()
         with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
-            completion_ids, logprobs = generate(*inputs)
+            completion_ids, logprobs = self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         if logprobs is None:
             recorded = recorder.per_completion(completion_ids, self.args.rollout_logprobs_support)
             if recorded is not None:
@@ -449,12 +455,14 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         try:
             with _trl_deprecated_aliases_silenced():
                 batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
+            batch = self._routing_add_rollout_routes(batch)  # MoE routing replay: see routing_replay.py
             old_logps_deferred = self._sp_old_logps == "deferred"
         finally:
             self._sp_old_logps = "compute"
         if self.sp_mesh is not None:  # every rank of the SP group now holds the group's batch
             batch = pool_over_group(batch, self.sp_mesh, self._tokenizer.pad_token_id)
         self._add_old_logps(batch, old_logps_deferred)
+        batch = self._routing_add_captured(batch)
         if self.rl_loss_config.use_kl_loss:
             with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
@@ -489,10 +497,14 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             )
         args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
         vision = multimodal_inputs(multimodal)  # VLM
-        if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
-            logps, self._stashed_kept_logmass = self.compute_per_token_logps(*args, self._truncation_replay, vision)
-            return logps, None, None
-        return self.compute_per_token_logps(*args, None, vision), None, None
+        shape = (input_ids.size(0), input_ids.size(1) - logits_to_keep, logits_to_keep)
+        with self._routing_old_pass(*shape) as routes:  # MoE routing replay
+            if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
+                logps, self._stashed_kept_logmass = self.compute_per_token_logps(
+                    *args, self._truncation_replay, vision, routes
+                )
+                return logps, None, None
+            return self.compute_per_token_logps(*args, None, vision, routes), None, None
 
     def _compute_loss(self, model, inputs):
         # TRL override: the loss of the micro-batch's context (built in `_prepare_inputs`, or here in evaluation).
@@ -721,9 +733,13 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         input_ids, attention_mask = prompt_and_completion(batch)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
         length = batch["completion_ids"].size(1)
-        with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+        shape = (input_ids.size(0), input_ids.size(1) - length, length)
+        with (
+            activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs),
+            self._routing_old_pass(*shape) as routes,
+        ):
             logps = self.compute_per_token_logps(
-                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch)
+                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch), routes
             )
         if replay is None:
             batch["old_per_token_logps"] = logps

@@ -47,9 +47,12 @@ __all__ = [
     "ROUTER_FAMILIES",
     "ROUTING_REPLAY_MODES",
     "RoutingReplay",
+    "RoutingReplayTrainer",
     "batch_routes",
     "find_routers",
+    "generation_routes",
     "layout_routes",
+    "routed_forward",
     "routes_from_layout",
     "routing_metrics",
 ]
@@ -181,7 +184,10 @@ def routes_from_layout(
 
 
 def batch_routes(
-    prompt_routes: list[torch.Tensor], completion_routes: list[torch.Tensor], prompt_length: int, completion_length: int
+    prompt_routes: list[torch.Tensor],
+    completion_routes: list[torch.Tensor],
+    prompt_length: int,
+    completion_length: int,
 ) -> torch.Tensor:
     """`(B, P + C, L, k)` int16 routes of a padded batch from each sample's routes: its prompt's real tokens
     (`(p_i, L, k)`, right-aligned in the left-padded prompt) and its completion's first tokens (`(c_i, L, k)`), `-1`
@@ -256,6 +262,7 @@ class RoutingReplay:
         self.state = "live"
         self.records: list[list[torch.Tensor]] = []
         self.targets: torch.Tensor | None = None  # (N, L, k) for the current forward's router rows
+        self.captured: list[torch.Tensor] | None = None  # a list while an "old_policy" π_old pass is captured
         self.counting = False
         self.counts: dict[str, float] = {}
         self._row_differs: torch.Tensor | None = None
@@ -392,3 +399,117 @@ def generation_routes(
     prompts = [prefill[i].cpu()[keep[i]] for i in range(batch)]
     completions = [decoded[i, :length] for i, length in enumerate(completion_lengths)]
     return prompts, completions
+
+
+@contextlib.contextmanager
+def routed_forward(
+    routing: RoutingReplay | None, batch: dict[str, Any], packed: bool, count: bool = False
+) -> Iterator[None]:
+    """Route one training forward of `batch` (its `prompt_mask`, `completion_mask` and, when recorded,
+    `routed_experts` `(B, S, L, k)`) laid out padded or packed `padding_free`: replay its routes, or, while
+    `routing.captured` is a list (an `"old_policy"` π_old pass), record the forward's routes into it `(B, S, L, k)`."""
+    if routing is None:
+        yield
+        return
+    prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
+    if routing.captured is not None:
+        with routing.recording() as records:
+            yield
+        rows = torch.stack([torch.cat(calls) for calls in records], dim=1)  # (N, L, k)
+        routing.captured.append(routes_from_layout(rows, prompt_mask, completion_mask, packed))
+        return
+    routes = batch.get("routed_experts")
+    targets = None if routes is None else layout_routes(routes, prompt_mask, completion_mask, packed)
+    with routing.replay(targets, count=count):
+        yield
+
+
+class RoutingReplayTrainer:
+    """The trainer's side of routing replay (mixed into `RLLossGRPOTrainer`): the hooks on the policy and the
+    reference, the routes recorded during HF `generate` (`"rollout"`) or captured in the π_old pass
+    (`"old_policy"`), and the batch's `routed_experts` the training forwards replay (`routed_forward`)."""
+
+    _routing: RoutingReplay | None = None
+    _routing_mode = "off"
+
+    def _setup_routing_replay(self, unwrapped: nn.Module) -> None:
+        """Attach the hooks (`args.routing_replay` != `"off"`); a model or backend that cannot replay is refused."""
+        self._routing_mode = getattr(self.args, "routing_replay", "off")
+        self._routing_generated: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._routing_captured: torch.Tensor | None = None
+        if self._routing_mode == "off":
+            return
+        if self._routing_mode == "rollout" and self.rollout_func is not None:
+            raise ValueError(
+                "routing_replay='rollout' records the experts chosen during HF generate; a rollout_func returns no "
+                "routed experts: use routing_replay='old_policy' or 'off'"
+            )
+        self._routing = RoutingReplay()
+        self._routing.attach(self._causal_lm(unwrapped))
+        if self.ref_model is not None:
+            self._routing.attach(self.accelerator.unwrap_model(self.ref_model))
+
+    def _routing_recorded_generate(self, generate: Callable[[], Any], prompt_ids: list[list[int]]) -> Any:
+        """`generate()` (TRL's HF-generate turn) with the routers recorded under `"rollout"`; each sample's routes are
+        kept for `_routing_add_rollout_routes`."""
+        if self._routing_mode != "rollout":
+            return generate()
+        with self._routing.recording() as records:
+            completion_ids, logprobs = generate()
+        rows = records[0][0].shape[0] if records and records[0] else 0
+        batch = len(prompt_ids)
+        width = rows // batch if batch else 0
+        prompt_mask = torch.zeros(batch, width, dtype=torch.long)
+        for i, ids in enumerate(prompt_ids):
+            prompt_mask[i, width - min(len(ids), width) :] = 1
+        lengths = [len(ids) for ids in completion_ids]
+        self._routing_generated.append(generation_routes(records, prompt_mask, lengths))
+        return completion_ids, logprobs
+
+    def _routing_rollout_routes(self, rows: int, prompt_length: int, completion_length: int) -> torch.Tensor | None:
+        """`(B, P + C, L, k)` routes of the generation batch from its first generate call (with tool calls, the later
+        turns' tokens and the tool results are routed live), or `None` when no call covered every row."""
+        if self._routing_mode != "rollout" or not self._routing_generated:
+            return None
+        prompts, completions = self._routing_generated[0]
+        if len(prompts) != rows:
+            return None
+        routes = batch_routes(prompts, completions, prompt_length, completion_length)
+        return routes.to(self.accelerator.device)
+
+    @contextlib.contextmanager
+    def _routing_old_pass(self, rows: int, prompt_length: int, completion_length: int) -> Iterator[Any]:
+        """Around a π_old pass: yields the routes it replays (`"rollout"`) or `None`; under `"old_policy"` the pass's
+        own routes are captured (`_routing_captured`, added to the batch by `_routing_add_captured`)."""
+        if self._routing_mode != "old_policy":
+            yield self._routing_rollout_routes(rows, prompt_length, completion_length)
+            return
+        self._routing.captured = []
+        try:
+            yield None
+            self._routing_captured = torch.cat(self._routing.captured) if self._routing.captured else None
+        finally:
+            self._routing.captured = None
+
+    def _routing_add_rollout_routes(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch["routed_experts"]` from generation (`"rollout"`)."""
+        shape = (batch["prompt_ids"].size(0), batch["prompt_ids"].size(1), batch["completion_ids"].size(1))
+        routes = self._routing_rollout_routes(*shape)
+        self._routing_generated = []
+        if routes is not None:
+            batch["routed_experts"] = routes
+        return batch
+
+    def _routing_add_captured(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch["routed_experts"]` from the π_old pass (`"old_policy"`); none when every micro-batch is
+        on-policy (the loss forward is then the π_old pass itself)."""
+        captured, self._routing_captured = self._routing_captured, None
+        if captured is not None:
+            batch["routed_experts"] = captured
+        return batch
+
+    def _routing_loss_metrics(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The disagreement accumulators of the loss forward just run (`routing/*`), or none when replay is off."""
+        if self._routing is None:
+            return {}
+        return routing_metrics(self._routing.take_counts(), device)
