@@ -336,3 +336,10 @@ def test_refusals(tok, tmp_path):
 
     with pytest.raises(ValueError, match=r"routing_replay needs an MoE model .* Qwen2ForCausalLM has no router"):
         _trainer(tok, tmp_path, make_model(tok), routing_replay="rollout")
+
+
+def test_async_trainer_refuses_routing_replay(tmp_path):
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+
+    with pytest.raises(ValueError, match=r"routing_replay='rollout' is not supported by RLLossAsyncGRPOTrainer"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), routing_replay="rollout")
