@@ -11,7 +11,8 @@ import contextlib
 
 import pytest
 import torch
-from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length, tiny_config, with_generation_ids
+from _models import tiny_moe
+from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length
 from datasets import Dataset
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
@@ -32,48 +33,6 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def tok():
     return make_tokenizer()
-
-
-def tiny_moe(tok, family: str, near_tied: bool = True, seed: int = 0):
-    """A tiny random MoE (2 layers, 8 experts, top-2) of `family`; `near_tied`: routers whose experts' scores differ
-    by about 1e-3 of their size, and experts whose outputs weigh (10× `down_proj`)."""
-    from transformers import (
-        GptOssConfig,
-        GptOssForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-        OlmoeConfig,
-        OlmoeForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
-
-    common = tiny_config(tok, num_experts_per_tok=2, head_dim=8, router_aux_loss_coef=0.0)
-    torch.manual_seed(seed)
-    if family == "qwen3_moe":
-        model = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                intermediate_size=64, moe_intermediate_size=16, num_experts=8, norm_topk_prob=True, **common
-            )
-        )
-    elif family == "olmoe":
-        model = OlmoeForCausalLM(OlmoeConfig(intermediate_size=16, num_experts=8, **common))
-    elif family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=16, num_local_experts=8, **common))
-    else:
-        model = GptOssForCausalLM(
-            GptOssConfig(intermediate_size=16, num_local_experts=8, sliding_window=8, **common)
-        ).float()
-    if near_tied:
-        with torch.no_grad():
-            for router, _ in find_routers(model):
-                router.weight.copy_(5 * router.weight[:1] + 1e-3 * router.weight)
-                if getattr(router, "bias", None) is not None:
-                    router.bias.zero_()
-            for name, param in model.named_parameters():
-                if "experts" in name and "down_proj" in name:
-                    param.mul_(10)
-    return with_generation_ids(model, tok).eval()
 
 
 def sample_and_record(model, tok, replay: RoutingReplay, bf16: bool):
