@@ -100,7 +100,7 @@ def test_bf16_sampler_fp32_trainer(tok, family):
     counts = replay.take_counts()
     for handle in handles:
         handle.remove()
-    replay.live()  # the targets stay installed after a forward (for the recomputation), until cleared
+    # no `replay.live()`: after a replayed forward the targets serve only a recomputation inside a backward
     live = trainer_logprobs(model, replay, ids, mask, positions, p, completion)
     # the experts used under replay are the recorded ones, except for the tokens without a route (routed live)
     targets = layout_routes(routes, mask[:, :p], mask[:, p:], False)  # (N, L, k)

@@ -26,8 +26,9 @@ would be one router row standing for G rows that generation routed separately (w
 can differ), so the trainer packs `padding_free` instead, and every row replays its own routes.
 
 Activation checkpointing recomputes each layer in the backward, calling the routers again: the targets stay
-installed after a forward (`RoutingReplay.replay` leaves them until the next forward sets or clears them), so the
-recomputation replays the same ids, and the disagreement is counted once (`counting` only inside the forward).
+installed after a forward for the calls made inside a backward (`RoutingReplay.replay`), so the recomputation
+replays the same ids, and the disagreement is counted once (`counting` only inside the forward); any other router
+call after the forward (generation, a pass without routes) routes live.
 """
 
 from __future__ import annotations
@@ -248,6 +249,13 @@ def disagreement(recorded: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tens
 # The hooks
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (activation checkpointing recomputes the
+    forward there). torch has no public query for it; without the private one, recomputation is assumed."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return True if current is None else current() != -1
+
+
 class RoutingReplay:
     """Forward hooks on the routers of one or more models (the policy, the reference) that record the experts each
     router chooses, or replay given ones.
@@ -296,7 +304,9 @@ class RoutingReplay:
         if self.state == "record":
             self.records[layer].append(ids.detach().to(torch.int16))
             return None
-        if self.state != "replay" or self.targets is None:
+        if self.state == "recompute" and not _in_backward():
+            self.live()  # a forward outside `replay` (e.g. generation) after a replayed one: route live
+        if self.state not in ("replay", "recompute") or self.targets is None:
             return None
         target = self.targets[:, layer].to(device=ids.device, dtype=ids.dtype)  # (N, k)
         if target.shape != ids.shape:
@@ -349,14 +359,17 @@ class RoutingReplay:
     def replay(self, targets: torch.Tensor | None, count: bool = False) -> Iterator[None]:
         """Replay `targets` `(N, L, k)` (the forward's router rows, `-1`: live) inside the block; `None`: live routing.
 
-        The targets stay installed after the block, for activation checkpointing's recomputation in the backward,
-        until the next `replay`/`recording`/`live` call replaces them. With `count`, the disagreement is counted.
+        After the block the targets serve activation checkpointing's recomputation of the forward in the backward
+        (state `"recompute"`), and only that: a router called outside a backward routes live from then on. With
+        `count`, the disagreement is counted.
         """
         self.state, self.targets, self.counting = ("replay" if targets is not None else "live"), targets, count
         try:
             yield
         finally:
             self.counting = False
+            if self.state == "replay":
+                self.state = "recompute"
             if count:
                 self._flush_tokens()
 
