@@ -36,7 +36,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback  # noqa: E402
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
-from hf_rlloss.trainer.routing_replay import (  # noqa: E402
+from hf_rlloss.trainer.common.routing_replay import (  # noqa: E402
     RoutingReplay,
     batch_routes,
     generation_routes,

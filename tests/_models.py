@@ -39,7 +39,7 @@ def tiny_moe(tok, family: str, near_tied: bool = True, seed: int = 0):
         Qwen3MoeForCausalLM,
     )
 
-    from hf_rlloss.trainer.routing_replay import find_routers
+    from hf_rlloss.trainer.common.routing_replay import find_routers
 
     common = tiny_config(tok, num_experts_per_tok=2, head_dim=8, router_aux_loss_coef=0.0)
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""MoE routing replay (`hf_rlloss.trainer.routing_replay`, `RLLossGRPOConfig.routing_replay`).
+"""MoE routing replay (`hf_rlloss.trainer.common.routing_replay`, `RLLossGRPOConfig.routing_replay`).
 
 Tiny random MoE models of four families (Qwen3-MoE, OLMoE, Mixtral, GPT-OSS). Their routers are made near-tied
 (every expert's router row is one shared row plus a 1e-3 perturbation) and their experts' outputs large, so that the
@@ -16,7 +16,7 @@ from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length
 from datasets import Dataset
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer.routing_replay import (
+from hf_rlloss.trainer.common.routing_replay import (
     RoutingReplay,
     batch_routes,
     find_routers,

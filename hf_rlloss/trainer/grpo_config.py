@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
-from .packing import PACKING_MODES
-from .routing_replay import ROUTING_REPLAY_MODES
+from .common.packing import PACKING_MODES
+from .common.routing_replay import ROUTING_REPLAY_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class RLLossGRPOConfig(GRPOConfig):
         skip_nonfinite_grad_steps (`int`, *optional*, defaults to `0`):
             `0`: off. `N > 0`: an optimizer step whose gradient norm is not finite is skipped (parameters, optimizer
             state and learning-rate schedule unchanged; `nonfinite_grad_skipped` logged), and the `N + 1`-th
-            consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.nonfinite_guard`). Not under
+            consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.sync.nonfinite_guard`). Not under
             DeepSpeed.
 
         packing (`str`, *optional*, defaults to `"shared_prefix"`):
@@ -295,9 +295,9 @@ class RLLossGRPOConfig(GRPOConfig):
             an MoE router loss turns `"shared_prefix"` into `"padding_free"`). See docs/packing.md.
 
         routing_replay (`str`, *optional*, defaults to `"off"`):
-            MoE routing replay (`hf_rlloss.trainer.routing_replay`): the training forwards route each token through
-            recorded experts, with gate weights recomputed from the live router scores at those experts (the router
-            keeps its gradient). `"rollout"` (R3): the experts HF `generate` chose, replayed in every training
+            MoE routing replay (`hf_rlloss.trainer.common.routing_replay`): the training forwards route each token
+            through recorded experts, with gate weights recomputed from the live router scores at those experts (the
+            router keeps its gradient). `"rollout"` (R3): the experts HF `generate` chose, replayed in every training
             forward (π_old, reference, loss); `"old_policy"` (R2): the experts of the π_old pass, replayed in the loss
             forward; `"off"`. A trainer option, not an `rl_loss` one: it changes the forwards, not the loss. See
             docs/routing_replay.md.

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loss.metrics import Reduction, register_finalizer, register_metric
+from ...loss.metrics import Reduction, register_finalizer, register_metric
 
 __all__ = [
     "ROUTER_FAMILIES",
