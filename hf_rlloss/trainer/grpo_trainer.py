@@ -275,7 +275,7 @@ class RLLossGRPOTrainer(
         elif self.aux_loss_enabled and mode == "shared_prefix":
             # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
             mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
-        elif args.routing_replay != "off" and mode == "shared_prefix":
+        elif getattr(args, "routing_replay", "off") != "off" and mode == "shared_prefix":
             mode, reason = "padding_free", "routing_replay: each row replays the routes of its own prompt"
         if reason is not None:
             logger.warning(f"packing={args.packing!r} -> {mode!r}: {reason}")
