@@ -71,6 +71,10 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             `kernels` package installed, else SDPA).
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Run the chunked LM head in float32 (as `GRPOConfig.cast_lm_head_to_fp32`).
+        routing_replay (`str`, *optional*, defaults to `"off"`):
+            MoE routing replay (`RLLossGRPOConfig.routing_replay`) is not supported by the asynchronous trainer yet:
+            its samples carry no routed experts (neither the CPU worker nor TRL's vLLM worker returns them) and its
+            packed forwards have no replay layout; any other value than `"off"` is refused.
 
     The validated loss configuration is `config.rl_loss_config`.
     """
@@ -103,6 +107,10 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         metadata={"help": "Attention of the packed rows: 'auto', 'fa3' (TRL's CUDA kernel) or 'sdpa' (any device)."},
     )
     cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Run the chunked LM head in float32."})
+    routing_replay: str = field(
+        default="off",
+        metadata={"help": "MoE routing replay: only 'off' here (RLLossGRPOConfig.routing_replay: the sync trainer)."},
+    )
 
     def __post_init__(self):
         if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
@@ -113,6 +121,12 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         if self.tree_attention not in TREE_ATTENTION_BACKENDS:
             allowed = ", ".join(TREE_ATTENTION_BACKENDS)
             raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {allowed}")
+        if self.routing_replay != "off":
+            raise ValueError(
+                f"routing_replay={self.routing_replay!r} is not supported by RLLossAsyncGRPOTrainer: its samples "
+                "carry no routed experts (neither the CPU worker nor TRL's vLLM worker returns them); use 'off', or "
+                "RLLossGRPOTrainer, whose routing_replay supports 'rollout' and 'old_policy'"
+            )
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
         super().__post_init__()

@@ -25,6 +25,7 @@ from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 from .common.packing import PACKING_MODES
+from .common.routing_replay import ROUTING_REPLAY_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,14 @@ class RLLossGRPOConfig(GRPOConfig):
             that cannot be packed exactly is forwarded padded, with a log line saying why (vision-language models;
             an MoE router loss turns `"shared_prefix"` into `"padding_free"`). See docs/packing.md.
 
+        routing_replay (`str`, *optional*, defaults to `"off"`):
+            MoE routing replay (`hf_rlloss.trainer.common.routing_replay`): the training forwards route each token
+            through recorded experts, with gate weights recomputed from the live router scores at those experts (the
+            router keeps its gradient). `"rollout"` (R3): the experts HF `generate` chose, replayed in every training
+            forward (π_old, reference, loss); `"old_policy"` (R2): the experts of the π_old pass, replayed in the loss
+            forward; `"off"`. A trainer option, not an `rl_loss` one: it changes the forwards, not the loss. See
+            docs/routing_replay.md.
+
         dynamic_sampling (`bool`, *optional*, defaults to `False`):
             DAPO's dynamic sampling: after scoring a generation batch, drop the groups whose rewards are all equal
             (zero advantage: no policy gradient) and generate further rounds from fresh prompts until a full
@@ -394,6 +403,16 @@ class RLLossGRPOConfig(GRPOConfig):
         },
     )
 
+    routing_replay: str = field(
+        default="off",
+        metadata={
+            "help": "MoE routing replay: 'rollout' (the experts chosen during generation, replayed in every training "
+            "forward), 'old_policy' (the experts of the pi_old pass, replayed in the loss forward) or 'off'. See "
+            "docs/routing_replay.md.",
+            "choices": list(ROUTING_REPLAY_MODES),
+        },
+    )
+
     dynamic_sampling: bool = field(
         default=False,
         metadata={
@@ -412,6 +431,7 @@ class RLLossGRPOConfig(GRPOConfig):
             raise ValueError(f"skip_nonfinite_grad_steps={self.skip_nonfinite_grad_steps!r} must be an integer >= 0")
         if self.packing not in PACKING_MODES:
             raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
+        self._check_routing_replay()
         rounds = self.dynamic_sampling_max_rounds
         if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
             raise ValueError(f"dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1")
@@ -493,6 +513,26 @@ class RLLossGRPOConfig(GRPOConfig):
                 f"steps_per_generation = {self.generation_batch_size}) must be divisible by num_generations "
                 f"({self.num_generations})"
             )
+
+    def _check_routing_replay(self) -> None:
+        mode = self.routing_replay
+        if mode not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay={mode!r}; expected one of {', '.join(map(repr, ROUTING_REPLAY_MODES))}")
+        if mode == "off":
+            return
+        refusals = {
+            "sp_size > 1": self.sp_size > 1,  # the routes are not sharded with the packed row yet
+            "dynamic_sampling": self.dynamic_sampling,  # the refill rounds' routes are not merged yet
+        }
+        if mode == "rollout":
+            # vLLM returns routed experts only with --enable-return-routed-experts, which TRL does not pass through
+            refusals["use_vllm (TRL's vLLM client returns no routed experts)"] = self.use_vllm
+            refusals["use_transformers_continuous_batching (no per-step router calls to record)"] = (
+                self.use_transformers_continuous_batching
+            )
+        refused = [name for name, on in refusals.items() if on]
+        if refused:
+            raise ValueError(f"routing_replay={mode!r} is not supported with {', '.join(refused)}")
 
     def _check_rollout_is_backend(self) -> None:
         if not self.rl_loss_config.rollout_is.enabled:

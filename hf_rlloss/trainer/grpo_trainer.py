@@ -36,6 +36,7 @@ from .common.lm_head import (
 from .common.multimodal import SP_REFUSAL
 from .common.overrides import overridden, trl_deprecated_aliases_silenced
 from .common.packing import prepare_packing
+from .common.routing_replay import RoutingReplayTrainer
 from .common.sp_batch import pool_over_group
 from .grpo_config import RLLossGRPOConfig
 from .sync.checkpoints import CompleteCheckpoints
@@ -77,6 +78,7 @@ class RLLossGRPOTrainer(
     ModelSaving,
     SequenceParallelBatches,
     OldLogprobs,
+    RoutingReplayTrainer,
     LossLayerForwards,
     DynamicSampling,
     GRPOTrainer,
@@ -234,6 +236,7 @@ class RLLossGRPOTrainer(
             self._setup_sequence_parallel(unwrapped)
         self._setup_packing(args, unwrapped)
         self.ref_model = self._build_reference(reference)
+        self._setup_routing_replay(unwrapped)  # MoE: see common/routing_replay.py
         self._setup_dynamic_sampling()
         if args.sync_ref_model:
             if not self.rl_loss_config.use_kl_loss:
@@ -271,6 +274,8 @@ class RLLossGRPOTrainer(
             if self.aux_loss_enabled and mode == "shared_prefix":
                 # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
                 mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
+            elif getattr(args, "routing_replay", "off") != "off" and mode == "shared_prefix":
+                mode, reason = "padding_free", "routing_replay: each row replays the routes of its own prompt"
             # the model's layers, attention dropout, its attention switched (hf_rlloss.parallel.layouts)
             mode, why = prepare_packing(mode, self._causal_lm(unwrapped), getattr(args, "disable_dropout", False))
             reason = why or reason
@@ -318,12 +323,14 @@ class RLLossGRPOTrainer(
         try:
             with trl_deprecated_aliases_silenced():
                 batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
+            batch = self._routing_add_rollout_routes(batch)  # MoE routing replay: see common/routing_replay.py
             old_logps_deferred = self._sp_old_logps == "deferred"
         finally:
             self._sp_old_logps = "compute"
         if self.sp_mesh is not None:  # every rank of the SP group now holds the group's batch
             batch = pool_over_group(batch, self.sp_mesh, self._tokenizer.pad_token_id)
         self._add_old_logps(batch, old_logps_deferred)
+        batch = self._routing_add_captured(batch)
         if self.rl_loss_config.use_kl_loss:
             with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)

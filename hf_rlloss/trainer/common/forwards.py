@@ -31,6 +31,7 @@ from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
 from .packing import PackedLayout, build_layout, pack_padding_free, packing_metrics
+from .routing_replay import routed_forward
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
@@ -53,6 +54,11 @@ class LossLayerForwards:
 
     _causal_lm = staticmethod(causal_lm)
     _packing = "off"  # the layout of the training forwards (`RLLossGRPOConfig.packing`, as the trainer resolves it)
+    _routing = None  # MoE routing replay's hooks (`routing_replay.RoutingReplay`), when `routing_replay` is on
+    _routing_mode = "off"
+
+    def _routing_loss_metrics(self, device) -> dict[str, torch.Tensor]:  # `RoutingReplayTrainer` overrides it
+        return {}
 
     def compute_hidden_states(
         self,
@@ -111,13 +117,15 @@ class LossLayerForwards:
         batch_size: int | None = None,
         truncation: LogitsProcessorList | None = None,
         multimodal: dict[str, Any] | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`(B, logits_to_keep)` float32 log-probs of the last `logits_to_keep` tokens, 0 where the mask is 0.
 
         Rows are processed `batch_size` at a time; only valid tokens are projected, `chunk_size` at a time. Under
         sequence parallelism every rank of the SP group must call it with the same rows (see `_block_logps`).
         With `truncation` (logits warpers, see `chunked_kept_logmass`), returns `(log-probs, kept log-masses)`, both
-        `(B, logits_to_keep)`, from the same pass. A VLM's `multimodal` fields are cut by rows with them.
+        `(B, logits_to_keep)`, from the same pass. A VLM's `multimodal` fields are cut by rows with them, and so are
+        the `(B, L, layers, k)` `routed_experts` an MoE forward replays (`routing_replay`).
         """
         batch_size = batch_size or input_ids.size(0)
         columns = 1 if truncation is None else 2
@@ -126,7 +134,8 @@ class LossLayerForwards:
             rows = slice(start, start + batch_size)
             vision = multimodal_rows(multimodal or {}, rows, input_ids.size(0))  # VLM
             ids, mask = input_ids[rows], attention_mask[rows]
-            out[rows] = self._block_logps(model, ids, mask, logits_to_keep, truncation, vision)
+            routes = None if routed_experts is None else routed_experts[rows]
+            out[rows] = self._block_logps(model, ids, mask, logits_to_keep, truncation, vision, routes)
         return out[..., 0] if truncation is None else (out[..., 0], out[..., 1])
 
     @torch.no_grad()
@@ -135,7 +144,8 @@ class LossLayerForwards:
         input_ids, attention_mask = prompt_and_completion(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
-        args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch))  # VLM
+        routes = batch.get("routed_experts") if self._routing_mode == "rollout" else None  # MoE: R3 replays them
+        args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch), routes)
         if self.ref_model is not None:
             return self.compute_per_token_logps(self.ref_model, *args)
         peft_model = self.accelerator.unwrap_model(self.model)
@@ -151,7 +161,7 @@ class LossLayerForwards:
         return head_operands(hidden, weight, self.args.cast_lm_head_to_fp32, self.accelerator.mixed_precision)
 
     def _completion_hidden_states(
-        self, unwrapped: nn.Module, batch: dict[str, Any], output_router_logits: bool = False
+        self, unwrapped: nn.Module, batch: dict[str, Any], output_router_logits: bool = False, count: bool = False
     ) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
         """The `(B, C, H)` completion-aligned hidden states of a batch (`out[b, c]` predicts completion token
         `(b, c)`), from one forward laid out as `self._packing` says (`packing.py`: one packed row,
@@ -161,6 +171,9 @@ class LossLayerForwards:
             `(hidden, router_logits, router_mask, forwarded)`: the hidden states; with `output_router_logits` the
             router logits (else `None`) and the attention mask over their tokens (`None` for a packed row, where
             every position is a token); the number of positions forwarded.
+
+        An MoE policy under `routing_replay` routes the forward through `batch["routed_experts"]` (or captures its
+        routes in a π_old pass; `routing_replay.routed_forward`); `count`: the loss forward counts the disagreement.
         """
         vision = multimodal_inputs(batch)  # VLM: never packed (see RLLossGRPOTrainer._setup_packing)
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
@@ -170,13 +183,14 @@ class LossLayerForwards:
         layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask, output_router_logits)
         if layout is None:
             input_ids, attention_mask = prompt_and_completion(batch)
-            out = self.compute_hidden_states(
-                unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
-            )
+            with routed_forward(self._routing, batch, packed=False, count=count):
+                out = self.compute_hidden_states(
+                    unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
+                )
             hidden, router_logits = out if output_router_logits else (out, None)
             length = completion_ids.size(1)
             return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
-        with packed_forward():
+        with packed_forward(), routed_forward(self._routing, batch, packed=True, count=count):
             out = self.compute_hidden_states(
                 unwrapped, layout.input_ids, None, position_ids=layout.position_ids,
                 output_router_logits=output_router_logits, attention_kwargs=layout.attention_kwargs,
@@ -191,22 +205,23 @@ class LossLayerForwards:
             loss, metrics = self._head_loss(unwrapped, hidden, ctx)
             counts = micro_batch.layout.metrics(loss.device)  # the SP group's row: counted on its first rank
             return loss, {**metrics, **{k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}}
-        hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs)
+        hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs, count=True)
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
-        return loss, {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
+        metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
+        return loss, {**metrics, **self._routing_loss_metrics(loss.device)}
 
     def _loss_forward_with_router_aux(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         """`_loss_forward` for an MoE policy whose router loss is trained (`aux_loss_enabled`): also the model's own
         `load_balancing_loss_func` over the micro-batch's prompt and completion tokens, as TRL computes it (packed
         rows repeat each prompt here: `_setup_packing` turns `"shared_prefix"` into `"padding_free"`)."""
         hidden, router_logits, mask, forwarded = self._completion_hidden_states(
-            unwrapped, inputs, output_router_logits=True
+            unwrapped, inputs, output_router_logits=True, count=True
         )
         lm = self._causal_lm(unwrapped)
         aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, mask)
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
-        return loss, metrics, aux_loss
+        return loss, {**metrics, **self._routing_loss_metrics(loss.device)}, aux_loss
 
     def _head_loss(self, unwrapped: nn.Module, hidden: torch.Tensor, ctx: BaseRLLossContext):
         """The micro-batch's `(loss, metrics)` from hidden states aligned with `ctx`'s labels, through the LM head."""
@@ -217,12 +232,16 @@ class LossLayerForwards:
                 hidden_states=hidden, head_weight=weight, temperature=self._loss_temperature, matmul_dtype=matmul_dtype
             )
 
-    def _block_logps(self, model, ids, mask, logits_to_keep: int, truncation, vision=None) -> torch.Tensor:
+    def _block_logps(
+        self, model, ids, mask, logits_to_keep: int, truncation, vision=None, routes=None
+    ) -> torch.Tensor:
         """`(b, logits_to_keep, columns)` log-probs (and kept log-masses) of one block of rows. Under SP the block is
         packed into one row, each rank projects the tokens of its shard, and the shards are gathered and unpacked."""
         completion_ids, completion_mask = ids[:, -logits_to_keep:], mask[:, -logits_to_keep:]
         batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
         batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
+        if routes is not None:
+            batch["routed_experts"] = routes
         if self.sp_mesh is None:
 
             def forward(unwrapped):

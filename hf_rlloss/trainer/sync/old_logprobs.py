@@ -91,9 +91,13 @@ class OldLogprobs:
         input_ids, attention_mask = prompt_and_completion(batch)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
         length = batch["completion_ids"].size(1)
-        with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
+        shape = (input_ids.size(0), input_ids.size(1) - length, length)
+        with (
+            activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs),
+            self._routing_old_pass(*shape) as routes,  # MoE routing replay (common/routing_replay.py)
+        ):
             logps = self.compute_per_token_logps(
-                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch)
+                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch), routes
             )
         if replay is None:
             batch["old_per_token_logps"] = logps
@@ -118,7 +122,7 @@ class OldLogprobs:
         inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
         if not (hf_generate and self.args.record_rollout_logprobs):
-            return generate(*inputs)
+            return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         mode = self.generation_config.get_generation_mode()
         if mode != GenerationMode.SAMPLE:
             # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
@@ -129,10 +133,11 @@ class OldLogprobs:
                     f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: "
                     "no rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
                 )
-            return generate(*inputs)
+            return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         recorder = SampledTokenLogprobs()
         with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
-            completion_ids, logprobs = generate(*inputs)
+            # MoE routing replay: the routers are recorded too (common/routing_replay.py)
+            completion_ids, logprobs = self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         if logprobs is None:
             recorded = recorder.per_completion(completion_ids, self.args.rollout_logprobs_support)
             if recorded is not None:
@@ -169,7 +174,11 @@ class OldLogprobs:
             )
         args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
         vision = multimodal_inputs(multimodal)  # VLM
-        if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
-            logps, self._stashed_kept_logmass = self.compute_per_token_logps(*args, self._truncation_replay, vision)
-            return logps, None, None
-        return self.compute_per_token_logps(*args, None, vision), None, None
+        shape = (input_ids.size(0), input_ids.size(1) - logits_to_keep, logits_to_keep)
+        with self._routing_old_pass(*shape) as routes:  # MoE routing replay (common/routing_replay.py)
+            if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
+                logps, self._stashed_kept_logmass = self.compute_per_token_logps(
+                    *args, self._truncation_replay, vision, routes
+                )
+                return logps, None, None
+            return self.compute_per_token_logps(*args, None, vision, routes), None, None

@@ -1,0 +1,304 @@
+"""MoE routing replay (`hf_rlloss.trainer.common.routing_replay`, `RLLossGRPOConfig.routing_replay`).
+
+Tiny random MoE models of four families (Qwen3-MoE, OLMoE, Mixtral, GPT-OSS). Their routers are made near-tied
+(every expert's router row is one shared row plus a 1e-3 perturbation) and their experts' outputs large, so that the
+rounding of a bf16 sampler flips the top-k choice and a flip moves the log-probs: the case routing replay exists for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from _models import tiny_moe
+from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length
+from datasets import Dataset
+
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer.common.routing_replay import (
+    RoutingReplay,
+    batch_routes,
+    find_routers,
+    generation_routes,
+    layout_routes,
+    routes_from_layout,
+)
+
+FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"]
+PROMPTS = ["hello world, how", "hi", "what is 3+4?"]  # different lengths: left padding in generate
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def sample_and_record(model, tok, replay: RoutingReplay, bf16: bool):
+    """Sample 8 tokens per prompt with HF generate (under bf16 autocast when `bf16`), recording the routers; returns
+    the `(B, P + C)` ids, mask and positions, `P`, the `(B, C)` completion, its recorded log-probs (the raw logits'
+    log-softmax, float32) and the `(B, P + C, L, k)` routes."""
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    torch.manual_seed(1)
+    with replay.recording() as records, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model.generate(
+            **enc, do_sample=True, max_new_tokens=NEW_TOKENS, top_k=0, top_p=1.0, output_logits=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    prompt_length = enc["input_ids"].shape[1]
+    completion = out.sequences[:, prompt_length:]
+    logits = torch.stack(out.logits, dim=1).float()  # (B, C, V): the raw logits each token was sampled from
+    recorded = torch.log_softmax(logits, -1).gather(2, completion[..., None])[..., 0]
+    lengths = [completion.shape[1]] * completion.shape[0]
+    prompts, completions = generation_routes(records, enc["attention_mask"], lengths)
+    routes = batch_routes(prompts, completions, prompt_length, completion.shape[1])
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as HF generate gives a left-padded batch
+    return out.sequences, mask, positions, prompt_length, completion, recorded, routes
+
+
+def trainer_logprobs(model, replay, ids, mask, positions, prompt_length, completion, routes=None):
+    """The fp32 log-probs of the completion from one full forward, replaying `routes` (or routing live)."""
+    routed = contextlib.nullcontext()  # live: whatever `replay` does around the call (e.g. record)
+    if routes is not None:
+        routed = replay.replay(layout_routes(routes, mask[:, :prompt_length], mask[:, prompt_length:], False), True)
+    with routed, torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    return torch.log_softmax(logits[:, prompt_length - 1 : -1], -1).gather(2, completion[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_logprobs_equal_the_recorded_ones(tok, family):
+    # Same precision (fp32): HF generate (KV cache, one token per step) and the trainer's full forward differ only
+    # by the order of float32 reductions over ≤ 30 positions of O(1) values: |Δ log p| ≲ 1e-6; bound 1e-5.
+    model = tiny_moe(tok, family)
+    replay = RoutingReplay().attach(model)
+    ids, mask, positions, p, completion, recorded, routes = sample_and_record(model, tok, replay, bf16=False)
+    replayed = trainer_logprobs(model, replay, ids, mask, positions, p, completion, routes)
+    counts = replay.take_counts()
+    assert (replayed - recorded).abs().max() < 1e-5
+    # every token but each row's last generated one has a route (that one is never forwarded during generation)
+    assert counts["routing_acc/tokens"] == mask.sum() - mask.shape[0]
+    assert (routes[:, -1] == -1).all() and (routes[:, :-1][mask[:, :-1].bool()] >= 0).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_sampler_fp32_trainer(tok, family):
+    """A bf16 sampler and an fp32 trainer: routed live, the trainer disagrees with the sampler's routing and its
+    log-probs move far from the recorded ones; replayed, it routes every token through the recorded experts, and
+    its log-probs differ from the recorded ones by the precision alone."""
+    model = tiny_moe(tok, family)
+    replay = RoutingReplay().attach(model)
+    ids, mask, positions, p, completion, recorded, routes = sample_and_record(model, tok, replay, bf16=True)
+    used, own = [], []  # the ids the experts receive, and the routers' own choice, spied beside the replay hook
+    experts = [m for name, m in model.named_modules() if name.endswith("experts")]
+    handles = [e.register_forward_pre_hook(lambda m, args: used.append(args[1].clone())) for e in experts]
+    for router, _ in find_routers(model):  # prepended: sees the router's output before the replay hook replaces it
+        handles.append(router.register_forward_hook(lambda m, args, out: own.append(out[2].clone()), prepend=True))
+    replayed = trainer_logprobs(model, replay, ids, mask, positions, p, completion, routes)
+    counts = replay.take_counts()
+    for handle in handles:
+        handle.remove()
+    # no `replay.live()`: after a replayed forward the targets serve only a recomputation inside a backward
+    live = trainer_logprobs(model, replay, ids, mask, positions, p, completion)
+    # the experts used under replay are the recorded ones, except for the tokens without a route (routed live)
+    targets = layout_routes(routes, mask[:, :p], mask[:, p:], False)  # (N, L, k)
+    has_route = targets[:, 0, 0] >= 0
+    for layer, ids_used in enumerate(used):
+        assert torch.equal(ids_used[has_route], targets[has_route, layer].long())
+    # the hook's disagreement: the recorded experts that are not among the router's own top-k (each layer given
+    # the replayed layers before it)
+    own_ids = torch.stack(own, dim=1)[has_route]  # (N', L, k)
+    differs = ~(targets[has_route][..., :, None] == own_ids[..., None, :]).any(-1)
+    assert counts["routing_acc/differing"] == differs.sum() > 0
+    assert counts["routing_acc/decisions"] == differs.numel()
+    # bf16 rounds each logit to 2^-8 relative: |Δ log p| a few 1e-3 here; a flipped expert moves it by far more
+    mean_replayed, mean_live = (replayed - recorded).abs().mean(), (live - recorded).abs().mean()
+    assert mean_replayed < 1e-2 and mean_live > 1.3 * mean_replayed, (mean_replayed, mean_live)
+
+
+def _router_cases():
+    """A tiny router of each family in `ROUTER_FAMILIES`, with the configs' defaults."""
+    import transformers.models.deepseek_v3.modeling_deepseek_v3 as ds
+    import transformers.models.glm4_moe.modeling_glm4_moe as glm
+    import transformers.models.gpt_oss.modeling_gpt_oss as oss
+    import transformers.models.granitemoe.modeling_granitemoe as granite
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+    import transformers.models.olmoe.modeling_olmoe as olmoe
+    import transformers.models.qwen2_moe.modeling_qwen2_moe as q2
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as q3
+
+    size = dict(hidden_size=16, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2)
+    group = dict(n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_routed_experts=8)
+    return {
+        "qwen3_moe": q3.Qwen3MoeTopKRouter(q3.Qwen3MoeConfig(num_experts=8, norm_topk_prob=True, **size)),
+        "qwen2_moe": q2.Qwen2MoeTopKRouter(q2.Qwen2MoeConfig(num_experts=8, norm_topk_prob=False, **size)),
+        "olmoe": olmoe.OlmoeTopKRouter(olmoe.OlmoeConfig(num_experts=8, **size)),
+        "mixtral": mixtral.MixtralTopKRouter(mixtral.MixtralConfig(num_local_experts=8, **size)),
+        "gpt_oss": oss.GptOssTopKRouter(oss.GptOssConfig(num_local_experts=8, **size)),
+        "granitemoe": granite.GraniteMoeTopKRouter(granite.GraniteMoeConfig(num_local_experts=8, **size)),
+        "deepseek_v3": ds.DeepseekV3TopkRouter(ds.DeepseekV3Config(**size, **group)),
+        "glm4_moe": glm.Glm4MoeTopkRouter(glm.Glm4MoeConfig(**size, **group)),
+    }
+
+
+def test_each_family_recomputes_its_own_gate_weights():
+    """Replaying a router's own choice gives exactly its own gate weights (softmax over all experts or over the
+    chosen, renormalization, routed scaling; a correction bias that moves only the choice); replaying another
+    choice gives weights with a gradient to the router."""
+    torch.manual_seed(0)
+    for name, router in _router_cases().items():
+        with torch.no_grad():
+            for param in router.parameters():
+                param.normal_()
+            if hasattr(router, "e_score_correction_bias"):
+                router.e_score_correction_bias.normal_()  # moves the choice, never the weights
+        replay = RoutingReplay().attach(router)
+        hidden = torch.randn(6, 16)
+        logits, weights, ids = router(hidden)
+        with replay.replay(ids[:, None, :].clone()):
+            _, replayed, replayed_ids = router(hidden)
+        assert torch.equal(replayed_ids, ids), name
+        torch.testing.assert_close(replayed, weights, rtol=0, atol=0, msg=name)
+        other = torch.stack([(ids[:, 0] + 1) % 8, (ids[:, 0] + 2) % 8], dim=-1)  # another choice, distinct experts
+        router.zero_grad()
+        with replay.replay(other[:, None, :]):
+            _, replayed, replayed_ids = router(hidden)
+        assert torch.equal(replayed_ids, other), name
+        (replayed * torch.randn_like(replayed)).sum().backward()
+        assert router.weight.grad.abs().sum() > 0, name
+
+
+def test_router_gradient_equals_a_hand_written_moe_with_given_ids(tok):
+    """Qwen3-MoE's sparse block replaying given expert ids (float64): its output and the gradients of the router,
+    the experts and the input equal a hand-written MoE forward through those ids (softmax over all experts, the
+    chosen ones renormalized, SwiGLU experts)."""
+    model = tiny_moe(tok, "qwen3_moe", near_tied=False)
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    model = model.double()
+    block = model.model.layers[0].mlp
+    replay = RoutingReplay().attach(block)
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 5, 32, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 3], [7, 1], [2, 5], [4, 6], [5, 0]])
+    direction = torch.randn(1, 5, 32, dtype=torch.float64)
+    with replay.replay(ids[:, None, :]):
+        out = block(hidden)
+    params = [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, hidden]
+    grads = torch.autograd.grad((out * direction).sum(), params)
+
+    def hand_written(router_w, gate_up, down, x):
+        x = x.reshape(5, 32)
+        weights = torch.softmax((x @ router_w.T).float(), dim=-1).double().gather(1, ids)  # float32, as the model
+        weights = weights / weights.sum(-1, keepdim=True)
+        rows = []
+        for t in range(5):
+            row = torch.zeros(32, dtype=x.dtype)
+            for slot in range(2):
+                gate, up = (gate_up[ids[t, slot]] @ x[t]).chunk(2)
+                row = row + weights[t, slot] * (down[ids[t, slot]] @ (torch.nn.functional.silu(gate) * up))
+            rows.append(row)
+        return torch.stack(rows).reshape(1, 5, 32)
+
+    leaves = [p.detach().clone().requires_grad_(True) for p in params]
+    expected = hand_written(*leaves)
+    expected_grads = torch.autograd.grad((expected * direction).sum(), leaves)
+    # float64 everywhere but the router's softmax, which Qwen3-MoE takes in float32 (relative error ~6e-8, 1e-6 here)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    assert grads[0].abs().sum() > 0  # the router learns through the replayed experts' gate weights
+
+
+def test_packed_layout_round_trip():
+    """`layout_routes` gives a padding-free row's tokens in order; `routes_from_layout` restores them, -1 elsewhere."""
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the third row has no completion token
+    routes = torch.arange(3 * 6 * 2 * 2, dtype=torch.int16).reshape(3, 6, 2, 2)
+    rows = layout_routes(routes, prompt_mask, completion_mask, packed=True)
+    assert rows.shape == (8, 2, 2)  # 2 + 2 and 3 + 1 tokens; the third row's prompt is not forwarded
+    assert torch.equal(rows[0], routes[0, 1]) and torch.equal(rows[4], routes[1, 0])
+    back = routes_from_layout(rows, prompt_mask, completion_mask, packed=True)
+    kept = torch.cat([prompt_mask * completion_mask.any(1, keepdim=True), completion_mask], 1).bool()
+    assert torch.equal(back[kept], routes[kept]) and (back[~kept] == -1).all()
+
+
+def _trainer(tok, tmp_path, model, **options):
+    args = RLLossGRPOConfig(
+        output_dir=str(tmp_path),
+        **{**BASE_ARGS, "max_steps": 2, "activation_checkpointing": True, "rl_loss": {"rollout_is": {}}, **options},
+    )
+    prompts = Dataset.from_dict({"prompt": [p * (1 + i % 3) for i, p in enumerate(["Q: add 1+2 ="] * 16)]})
+    return RLLossGRPOTrainer(model, [reward_length], args=args, train_dataset=prompts, processing_class=tok)
+
+
+def test_trainer_rollout_replay_equals_the_recorded_logprobs(tok, tmp_path):
+    """`routing_replay="rollout"` in the trainer (HF generate, fp32, left-padded prompts of three lengths, packed
+    padding-free, activation checkpointing): π_old replays the sampler's routes, so the rollout mismatch is float
+    round-off, every token but the last generated one is replayed, and the loss forwards agree with the sampler."""
+    trainer = _trainer(tok, tmp_path, tiny_moe(tok, "qwen3_moe"), routing_replay="rollout", packing="shared_prefix")
+    assert trainer._packing == "padding_free"  # a shared prompt position cannot replay G rows' routes
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "routing/disagreement" in h]
+    assert len(logs) == 2
+    for log in logs:
+        assert log["mismatch/mismatch_logprob_abs_diff"] < 1e-5  # fp32 round-off (see the first test)
+        assert log["routing/disagreement"] == 0.0  # on-policy, same precision: the trainer would route alike
+        # 4 completions of 8 tokens (none ends early: no EOS is likely from a random model), each row's last one
+        # without a route, plus the prompts
+        assert log["routing/replayed_tokens"] >= 4 * 7
+
+
+def test_trainer_old_policy_replays_the_pi_old_routes(tok, tmp_path):
+    """`routing_replay="old_policy"` (R2) with 2 iterations per generation: every router call of a loss forward —
+    and of its recomputation under activation checkpointing — routes through the experts the π_old pass chose, also
+    after an update, when the policy's own routing has moved (`routing/disagreement` > 0)."""
+    trainer = _trainer(
+        tok, tmp_path, tiny_moe(tok, "qwen3_moe"), routing_replay="old_policy", num_iterations=2, learning_rate=3e-2
+    )
+    routers = [router for router, _ in find_routers(trainer.model)]
+    seen = {"old": [[], []], "loss": [[], []]}  # per layer, each call's (N, k) ids
+
+    def spy(router, args, output):  # generation routes live; the π_old pass records; the loss forwards replay
+        state = trainer._routing.state
+        if state != "live":
+            seen["old" if state == "record" else "loss"][routers.index(router)].append(output[2].clone())
+
+    handles = [r.register_forward_hook(spy) for r in routers]  # registered after the replay hook: sees its output
+    trainer.train()
+    for handle in handles:
+        handle.remove()
+    # one π_old pass (2 layers, one forward of 4 rows), then 2 loss steps each a forward and a recomputation
+    assert [len(calls) for calls in seen["old"]] == [1, 1] and [len(calls) for calls in seen["loss"]] == [4, 4]
+
+    def token_routes(layers):  # (N, k) per layer -> each token's route over all layers, as sorted codes (N,)
+        # TRL shuffles the generation batch's rows before the loss steps: compare the multisets of token routes
+        codes = torch.cat([ids.long() for ids in layers], dim=1) @ (8 ** torch.arange(2 * 2))
+        return codes.sort().values
+
+    old = token_routes([calls[0] for calls in seen["old"]])
+    for i in range(4):  # each forward and recomputation (the backward recomputes the layers in reverse order)
+        assert torch.equal(token_routes([calls[i] for calls in seen["loss"]]), old), i
+    logs = [h for h in trainer.state.log_history if "routing/disagreement" in h]
+    assert logs[0]["routing/disagreement"] == 0.0 and logs[1]["routing/disagreement"] > 0.0
+
+
+def test_refusals(tok, tmp_path):
+    with pytest.raises(ValueError, match=r"routing_replay='never'; expected one of 'off', 'rollout', 'old_policy'"):
+        RLLossGRPOConfig(output_dir=str(tmp_path), routing_replay="never")
+    with pytest.raises(ValueError, match=r"routing_replay='rollout' is not supported with use_vllm"):
+        RLLossGRPOConfig(output_dir=str(tmp_path), routing_replay="rollout", use_vllm=True)
+    with pytest.raises(ValueError, match=r"routing_replay='old_policy' is not supported with dynamic_sampling"):
+        RLLossGRPOConfig(output_dir=str(tmp_path), routing_replay="old_policy", dynamic_sampling=True)
+    from _trainer_utils import make_model
+
+    with pytest.raises(ValueError, match=r"routing_replay needs an MoE model .* Qwen2ForCausalLM has no router"):
+        _trainer(tok, tmp_path, make_model(tok), routing_replay="rollout")
+
+
+def test_async_trainer_refuses_routing_replay(tmp_path):
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+
+    with pytest.raises(ValueError, match=r"routing_replay='rollout' is not supported by RLLossAsyncGRPOTrainer"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), routing_replay="rollout")
