@@ -62,6 +62,7 @@ from .rollout_recording import (
     recording_logprobs,
     truncation_replay,
 )
+from .shared_prefill import shared_prompt_generation
 from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
@@ -412,11 +413,14 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # TRL override: with HF generate, the generating model's `_get_logits_processor` is wrapped for the call so
-        # that the sampled tokens' log-probs are recorded (`rollout_recording.recording_logprobs`).
-        generate = super()._generate_single_turn
+        # TRL override: with HF generate, each distinct prompt is prefilled once (`shared_prefill`) and the generating
+        # model's `_get_logits_processor` is wrapped for the call so that the sampled tokens' log-probs are recorded
+        # (`rollout_recording.recording_logprobs`).
         inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
+        lm = self._causal_lm(self.accelerator.unwrap_model(self.model))
+        share = hf_generate and self.args.shared_prompt_generation
+        generate = shared_prompt_generation(super()._generate_single_turn, lm, share)
         if not (hf_generate and self.args.record_rollout_logprobs):
             return generate(*inputs)
         mode = self.generation_config.get_generation_mode()
@@ -431,7 +435,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
                 )
             return generate(*inputs)
         recorder = SampledTokenLogprobs()
-        with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
+        with recording_logprobs(lm, recorder):
             completion_ids, logprobs = generate(*inputs)
         if logprobs is None:
             recorded = recorder.per_completion(completion_ids, self.args.rollout_logprobs_support)
