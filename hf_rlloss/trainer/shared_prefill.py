@@ -18,7 +18,6 @@ all distinct (tool-call turns, one generation per prompt) has nothing to share a
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -122,8 +121,9 @@ def _shared_generate(lm: nn.Module, generate: Callable[..., Any], *args: Any, **
     input_ids = kwargs.get("input_ids", kwargs.get("inputs"))
     if input_ids is None or input_ids.dim() != 2 or input_ids.size(1) < 2:
         return generate(*args, **kwargs)
-    config = copy.deepcopy(kwargs.get("generation_config") or lm.generation_config)
-    model_kwargs = config.update(**{k: v for k, v in kwargs.items() if k not in ("generation_config", "inputs")})
+    # the settings generate will use: the call's over the model's over transformers' defaults
+    rest = {k: v for k, v in kwargs.items() if k not in ("generation_config", "inputs")}
+    config, model_kwargs = lm._prepare_generation_config(kwargs.get("generation_config"), **rest)
     attention_mask = kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
