@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -196,3 +197,35 @@ def test_config_rejects_a_non_boolean_shared_prompt_generation(tmp_path):
 
     with pytest.raises(ValueError, match="shared_prompt_generation='yes' must be true or false"):
         RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, shared_prompt_generation="yes")
+
+
+def test_cpu_rollout_worker_shares_prompts(tmp_path):
+    # the asynchronous trainer's HF generate worker (`async_cpu.HFGenerateRolloutWorker`), its loop run in-process
+    import queue
+
+    from _async import ASYNC_ARGS, save_tiny_policy
+    from _trainer_utils import make_dataset, make_tokenizer, reward_length
+
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+
+    policy, tok = save_tiny_policy(tmp_path / "policy"), make_tokenizer()
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS, top_k=20)
+    runs = {}
+    for share in (False, True):
+        worker = HFGenerateRolloutWorker(policy, make_dataset(4), [reward_length], tok, args,
+                                         shared_prompt_generation=share)  # fmt: skip
+        loop = _WorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+        loop.load()
+        loop.version = 1
+        shapes = []
+        embeddings = loop.model.get_input_embeddings()
+        embeddings.register_forward_hook(lambda m, a, out, s=shapes: s.append(tuple(a[0].shape)))
+        torch.manual_seed(0)
+        runs[share] = loop._generate_batch(), shapes[0]
+    (ordinary, ordinary_first), (shared, shared_first) = runs[False], runs[True]
+    groups = len(ordinary) // args.num_generations
+    assert ordinary_first[0] == len(ordinary) and shared_first == (groups, ordinary_first[1] - 1)
+    for a, b in zip(shared, ordinary, strict=True):
+        assert np.array_equal(a.input_ids, b.input_ids)
+        assert np.abs(a.old_log_probs - b.old_log_probs).max() <= LOGP_TOL
