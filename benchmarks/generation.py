@@ -170,7 +170,7 @@ def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
 def _run_generate(workload: str, variant: str, layers: int) -> dict:
     import torch
 
-    from hf_rlloss.trainer.shared_prefill import sharing_prompts
+    from hf_rlloss.trainer.common.shared_prefill import sharing_prompts
 
     model, tokenizer, prompts = _long_model_and_prompts(layers, 2)
     batch = tokenizer([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True, padding_side="left")

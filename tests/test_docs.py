@@ -174,3 +174,52 @@ def test_module_paths_named_in_docs_and_docstrings_exist():
             if dotted.split(".")[1] not in lazy and not _resolves(dotted):
                 stale.append(f"{path.relative_to(ROOT)}: {dotted}")
     assert not stale, "names that do not exist in the package:\n" + "\n".join(sorted(set(stale)))
+
+
+# What a user page must not say: how it was made (agents, sessions, helpers, merges, issues and their numbers) or a
+# scratch path of the machine it was written on. The pages speak of the software and its measurements only.
+PROCESS_WORDS = re.compile(
+    r"\b(?:agents?|sessions?|helpers?|merge[sd]?|merging|issues?(?:'s)?)\b|(?<![\w&/])#\d+\b|/tmp/|/work/",
+    flags=re.IGNORECASE,
+)
+
+
+def _user_pages() -> list[Path]:
+    return sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *DOCS.rglob("*.md")])
+
+
+def _process_words(text: str) -> list[str]:
+    """Each line of `text` that names how the page was made, with its line number (web addresses are not read: a
+    link to an upstream project's issue tracker is a reference)."""
+    lines = enumerate(text.splitlines(), 1)
+    words = [(n, line) for n, line in lines if PROCESS_WORDS.search(re.sub(r"https?://\S+", "", line))]
+    return [f"{n}: {line.strip()[:100]}" for n, line in words]
+
+
+def test_user_pages_speak_of_the_software_only():
+    found = {str(p.relative_to(ROOT)): _process_words(p.read_text(encoding="utf8")) for p in _user_pages()}
+    found = {page: lines for page, lines in found.items() if lines}
+    assert not found, "pages that name how they were made or a scratch path:\n" + json.dumps(found, indent=1)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "while six other agents shared it",
+        "Re-run on the idle machine after the merge",
+        "the issue's arithmetic",
+        "as filed in #28",
+        "curves: /tmp/asy/demo/out/training_curves.png",
+        "No GPU was lent in this session",
+        "written by a helper",
+    ],
+)
+def test_the_page_check_catches_process_words(line):
+    assert _process_words(f"A table.\n{line}\n") == [f"2: {line}"]
+
+
+def test_the_page_check_leaves_technical_text_alone():
+    text = (
+        "The arithmetic `G(P + C_max)`; `hf_rlloss/loss/kl.py`; [#anchors](x.md#kl-2); [TRL](https://x.org/issues/1)."
+    )
+    assert _process_words(text) == []

@@ -1,5 +1,5 @@
-"""Shared-prompt generation (`hf_rlloss/trainer/shared_prefill.py`): each distinct prompt prefilled once, its cache
-copied to its rows, gives the completions and recorded log-probs of an ordinary HF `generate` call.
+"""Shared-prompt generation (`hf_rlloss/trainer/common/shared_prefill.py`): each distinct prompt prefilled once, its
+cache copied to its rows, gives the completions and recorded log-probs of an ordinary HF `generate` call.
 
 Tolerance of the recorded log-probs: the first sampled token's logits come from a forward of the last prompt token
 over a cache computed by a prefill of U rows, instead of one prefill of B rows: the same float32 products summed in
@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers
 
-from hf_rlloss.trainer.rollout_recording import SampledTokenLogprobs, recording_logprobs
-from hf_rlloss.trainer.shared_prefill import distinct_rows, sharing_prompts
+from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from hf_rlloss.trainer.common.shared_prefill import distinct_rows, sharing_prompts
 
 LOGP_TOL = 1e-4  # derived in the module docstring
 VOCAB, PAD = 64, 0
@@ -134,7 +134,7 @@ def test_distinct_rows_in_order_of_appearance():
 def test_unshareable_calls_run_as_ordinary_calls_and_say_why(caplog):
     model = _tiny("qwen2")
     ids, mask = _batch()
-    logger = transformers.utils.logging.get_logger("hf_rlloss.trainer.shared_prefill")
+    logger = transformers.utils.logging.get_logger("hf_rlloss.trainer.common.shared_prefill")
     logger.warning_once.cache_clear()
     with caplog.at_level("WARNING"):
         logger.propagate = True
@@ -207,7 +207,7 @@ def test_cpu_rollout_worker_shares_prompts(tmp_path):
     from _trainer_utils import make_dataset, make_tokenizer, reward_length
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
 
     policy, tok = save_tiny_policy(tmp_path / "policy"), make_tokenizer()
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS, top_k=20)

@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from .rollout_recording import SampledTokenLogprobs, recording_logprobs
-from .shared_prefill import sharing_prompts
+from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ..common.shared_prefill import sharing_prompts
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
 
