@@ -22,8 +22,9 @@ Two kinds of measurement, each in a fresh process, variants interleaved in rotat
 
     python benchmarks/generation.py --workloads demo long64 long256 --repeats 2
 
-Every time is given twice: wall seconds, and the CPU seconds of the process (all its threads, `time.process_time`),
-which on a machine shared with other jobs measures the work done better than the wall clock does.
+Every time is given twice: wall seconds, and the CPU seconds of the process (all its threads, `time.process_time`).
+On a machine shared with other jobs, CPU seconds with `OMP_NUM_THREADS=1` measure the work done better than the
+wall clock does; with several threads they also count OpenMP's spin-waiting for descheduled threads.
 
 Results: `benchmarks/results/generation.json` (every sample, the machine, the load, the date) and a Markdown table.
 """
@@ -201,7 +202,7 @@ def _launch(kind: str, workload: str, variant: str, steps: int, layers: int) -> 
 def _machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
-    return {"cpu": model, "cpus": os.cpu_count()}
+    return {"cpu": model, "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def _uptime() -> str:
