@@ -218,9 +218,10 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
     Args:
         model (`str`): the policy's path or Hub id (TRL's async trainer loads it itself, with tree attention).
         args ([`RLLossAsyncGRPOConfig`], *optional*): the training arguments, with the `rl_loss` block.
-        **others** (*optional*): `reward_funcs`, `train_dataset`, `processing_class`, `callbacks`, `optimizers`,
-            `peft_config`, `tools`, `environment_factory`, `rollout_worker`, `weight_transfer`: as in TRL's
-            `AsyncGRPOTrainer`.
+        reward_funcs, train_dataset, processing_class, callbacks, optimizers (*optional*):
+            As in TRL's `AsyncGRPOTrainer`.
+        peft_config, tools, environment_factory, rollout_worker, weight_transfer (*optional*):
+            As in TRL's `AsyncGRPOTrainer`.
         ref_model (`str` or [`~transformers.PreTrainedModel`], *optional*): the reference of
             `rl_loss.use_kl_loss`; defaults to the model loaded again from `model` (the base model under PEFT).
     """
