@@ -353,6 +353,15 @@ class RLLossGRPOConfig(GRPOConfig):
             "Beam search and greedy decoding record nothing."
         },
     )
+    shared_prompt_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "With HF generate: prefill each distinct prompt of a generation batch once and copy its KV cache "
+            "to its num_generations rows, instead of prefilling every repeated row (the same completions and "
+            "log-probs up to float round-off; hf_rlloss/trainer/common/shared_prefill.py). Calls that cannot "
+            "share (beam search, VLM inputs, a static cache, ...) run as before, said once in the log."
+        },
+    )
     rollout_logprobs: bool | None = field(
         default=None,
         metadata={"help": "Deprecated: the former name of record_rollout_logprobs (a FutureWarning says so)."},
@@ -432,6 +441,8 @@ class RLLossGRPOConfig(GRPOConfig):
         if self.packing not in PACKING_MODES:
             raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
         self._check_routing_replay()
+        if not isinstance(self.shared_prompt_generation, bool):
+            raise ValueError(f"shared_prompt_generation={self.shared_prompt_generation!r} must be true or false")
         rounds = self.dynamic_sampling_max_rounds
         if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
             raise ValueError(f"dynamic_sampling_max_rounds={rounds!r} must be an integer >= 1")

@@ -33,6 +33,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ..common.shared_prefill import sharing_prompts
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
 
@@ -77,6 +78,7 @@ class _Settings:
     generation_kwargs: dict[str, Any]
     support: str
     record_logprobs: bool
+    shared_prompt_generation: bool
     weight_lag: int
     threads: int
     dtype: str
@@ -98,6 +100,8 @@ class HFGenerateRolloutWorker:
             `dtype`. The vLLM worker's options (`VLLM_ONLY_OPTIONS`) must be left at their defaults.
         record_logprobs (`bool`, *optional*, defaults to `True`): record the sampled tokens' log-probs (rollout IS
             and the mismatch metrics need them); `False` sends NaN.
+        shared_prompt_generation (`bool`, *optional*, defaults to `True`): prefill each prompt once for its
+            `num_generations` rows (`shared_prefill.sharing_prompts`); `False` prefills every row.
         groups_per_batch (`int`, *optional*): prompts per `generate` call; defaults to one optimizer step's worth.
         weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
             experiment's knob: samples then lag the trainer by at least `weight_lag` versions).
@@ -114,6 +118,7 @@ class HFGenerateRolloutWorker:
         args: AsyncGRPOConfig,
         *,
         record_logprobs: bool = True,
+        shared_prompt_generation: bool = True,
         groups_per_batch: int | None = None,
         weight_lag: int = 0,
         threads: int = 1,
@@ -155,6 +160,7 @@ class HFGenerateRolloutWorker:
             ),
             support=getattr(args, "rollout_logprobs_support", "full"),
             record_logprobs=record_logprobs,
+            shared_prompt_generation=shared_prompt_generation,
             weight_lag=weight_lag,
             threads=threads,
             dtype=args.dtype,
@@ -345,7 +351,7 @@ class _WorkerLoop:
         encoded = tok([t for t in texts for _ in range(s.num_generations)], return_tensors="pt", padding=True,
                       padding_side="left", add_special_tokens=False)  # fmt: skip
         recorder = SampledTokenLogprobs()
-        with recording_logprobs(self.model, recorder):
+        with recording_logprobs(self.model, recorder), sharing_prompts(self.model, s.shared_prompt_generation):
             out = self.model.generate(
                 **encoded, **s.generation_kwargs, eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id
             )

@@ -29,6 +29,7 @@ from ..common.rollout_recording import (
     recording_logprobs,
     truncation_replay,
 )
+from ..common.shared_prefill import shared_prompt_generation
 
 __all__ = ["OldLogprobs"]
 
@@ -116,11 +117,16 @@ class OldLogprobs:
     # TRL override points
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # TRL override: with HF generate, the generating model's `_get_logits_processor` is wrapped for the call so
-        # that the sampled tokens' log-probs are recorded (`rollout_recording.recording_logprobs`).
-        generate = super()._generate_single_turn
+        # TRL override: with HF generate, each distinct prompt is prefilled once (`shared_prefill`) and the generating
+        # model's `_get_logits_processor` is wrapped for the call so that the sampled tokens' log-probs are recorded
+        # (`rollout_recording.recording_logprobs`).
         inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
+        lm = self._causal_lm(self.accelerator.unwrap_model(self.model))
+        # Routing replay records the prefill's routes row by row: a prompt prefilled once has one row for G completions
+        replay = getattr(self.args, "routing_replay", "off")
+        share = hf_generate and self.args.shared_prompt_generation and replay == "off"
+        generate = shared_prompt_generation(super()._generate_single_turn, lm, share)
         if not (hf_generate and self.args.record_rollout_logprobs):
             return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         mode = self.generation_config.get_generation_mode()
@@ -135,7 +141,7 @@ class OldLogprobs:
                 )
             return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         recorder = SampledTokenLogprobs()
-        with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
+        with recording_logprobs(lm, recorder):
             # MoE routing replay: the routers are recorded too (common/routing_replay.py)
             completion_ids, logprobs = self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
         if logprobs is None:
