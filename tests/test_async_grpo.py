@@ -401,20 +401,18 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
 def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(policy, tok, tmp_path):
     """`weight_lag=2`: the cold sync's weights are used at once (nothing older exists; waiting would deadlock with
     the trainer, which waits for samples), later ones when two newer versions have arrived."""
-    import queue as queues
     import types
 
     from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)
-    weights = queues.Queue()
-    loop = _WorkerLoop(worker._settings, None, None, weights, None, types.SimpleNamespace(value=0.0))
+    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
     loop.load()
     state = {k: v.clone() for k, v in loop.model.state_dict().items()}
     seen = []
     for version in range(1, 6):
-        weights.put((version, state))
+        worker.weights.publish(version, iter(state.items()))
         loop._apply_weights(block=False)
         seen.append(loop.version)
     assert seen == [1, 1, 1, 2, 3]
@@ -508,3 +506,175 @@ def test_rollout_is_weight_of_stale_samples_with_gradient_accumulation(policy, t
     assert log["train_policy/valid_tokens"] == tokens
     assert _max_diff(after, before) > 1e-3
     assert _max_diff(after, expected) < TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The channels: a worker killed mid-write, a killed trainer, the newest weights only
+
+
+def _write_half_then_die(channel, payload_bytes: int) -> None:
+    """Send a frame's header and half its payload, then SIGKILL this process (what the OOM killer does)."""
+    import os
+    import pickle
+    import signal
+
+    from hf_rlloss.trainer.async_channel import _HEADER
+
+    payload = pickle.dumps(np.random.default_rng(0).bytes(payload_bytes))
+    os.write(channel._writer.fileno(), _HEADER.pack(len(payload)) + payload[: len(payload) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_write_is_named_within_seconds():
+    """A 50 KB sample half-written when its writer is killed: the read raises the health check's error naming the
+    dead process, within seconds, instead of blocking for ever as `multiprocessing.Queue.get` does."""
+    import multiprocessing
+    import threading
+
+    from hf_rlloss.trainer.async_channel import SampleChannel
+
+    ctx = multiprocessing.get_context("fork")  # the channel's mechanics; no need to import torch in the child
+    channel = SampleChannel(ctx, maxsize=4)
+    writer = ctx.Process(target=_write_half_then_die, args=(channel, 50_000))
+
+    def health():
+        if not writer.is_alive():
+            raise RuntimeError(f"rollout process exited (exit code {writer.exitcode})")
+
+    channel.health = health
+    writer.start()
+    channel.close_writer()
+    outcome = []
+
+    def read():
+        try:
+            outcome.append(channel.get(timeout=60.0))
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            outcome.append(err)
+
+    start = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=20.0)
+    assert not reader.is_alive(), "the read hangs on the half-written message"
+    assert time.monotonic() - start < 20.0
+    (error,) = outcome
+    assert isinstance(error, RuntimeError) and "exit code -9" in str(error)
+
+
+def _trainer_with_a_worker(report) -> None:
+    """A stand-in trainer: starts a worker child that watches it as the rollout worker does, reports its PID, and
+    waits to be killed."""
+    import multiprocessing
+    import os
+
+    from hf_rlloss.trainer.async_cpu import _exit_with_parent
+
+    worker = multiprocessing.get_context("fork").Process(target=_exit_with_parent, args=(os.getpid(), 0.1))
+    worker.start()
+    report.send(worker.pid)
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_worker_exits_when_its_trainer_is_killed():
+    import multiprocessing
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    trainer = ctx.Process(target=_trainer_with_a_worker, args=(send,))
+    trainer.start()
+    try:
+        assert receive.poll(30.0)
+        worker_pid = receive.recv()
+        assert _running(worker_pid)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(timeout=10)
+        deadline = time.monotonic() + 10.0
+        while _running(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker_pid), "the worker outlived its trainer"
+    finally:
+        for pid in (trainer.pid, locals().get("worker_pid")):
+            if pid is not None and _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_latest_weights_keep_the_newest_version_and_no_descriptors_pile_up(policy, tok, tmp_path):
+    """Weights sent while the worker is busy overwrite each other in one shared copy (the worker loads the newest,
+    and later versions reach it: dropping them fails this test); the trainer's open file descriptors do not grow."""
+    import os
+    import types
+
+    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer, _WorkerLoop
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
+    transfer = QueueWeightTransfer(worker)
+    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
+    loop.load()
+    base = {k: v.clone() for k, v in loop.model.state_dict().items()}
+
+    def send(version):  # as TRL does: send, then bump the version
+        transfer.send_weights((k, v + version) for k, v in base.items())
+        worker.update_model_version(version)
+
+    send(1)
+    loop._apply_weights(block=True)
+    assert loop.version == 1
+    fds = len(os.listdir("/proc/self/fd"))
+    for version in range(2, 30):
+        send(version)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    loop._apply_weights(block=False)
+    assert loop.version == 29
+    for name, value in loop.model.state_dict().items():
+        torch.testing.assert_close(value, base[name] + 29, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parity with TRL: the MoE router loss
+
+
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory, tok):
+    """A tiny Qwen3-MoE (4 experts, top 2, router_aux_loss_coef 0.1) saved to disk."""
+    from _trainer_utils import tiny_config
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = tiny_config(tok, head_dim=8, num_experts_per_tok=2, tie_word_embeddings=False, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **common)
+    )
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_moe_router_loss_as_stock_async_trainer(moe_policy, tok, tmp_path):
+    """TRL's async trainer adds router_aux_loss_coef × the model's load-balancing loss: configured as TRL, the loss
+    layer's trainer makes the same update on an MoE policy (2 SGD steps), and logs TRL's `aux_loss`."""
+    samples = fixed_samples(3)
+    options = {**ASYNC_ARGS, **SGD, "max_steps": 2, "epsilon_high": 0.28}
+    stock = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"), **options)
+    ours = RLLossAsyncGRPOConfig(output_dir=str(tmp_path / "ours"), behavior_as_old_policy=True, **options)
+    stock_trainer, before, stock_after = _train_async(AsyncGRPOTrainer, stock, moe_policy, tok, samples)
+    trainer, _, our_after = _train_async(RLLossAsyncGRPOTrainer, ours, moe_policy, tok, samples)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1
+    assert _max_diff(stock_after, before) > 1e-3
+    assert _max_diff(stock_after, our_after) < TOLERANCE
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    stock_logs = [h for h in stock_trainer.state.log_history if "aux_loss" in h]
+    assert [log["aux_loss"] for log in logs] == pytest.approx([log["aux_loss"] for log in stock_logs], rel=1e-5)

@@ -46,7 +46,7 @@ from .async_grpo_config import RLLossAsyncGRPOConfig
 from .engines import activation_checkpointing_disabled, prepare_reference, reference_source
 from .forwards import LossLayerForwards
 from .grpo_trainer import _overridden
-from .lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
+from .lm_head import causal_lm, check_model_supported, load_balancing_loss_func, logit_scale, with_model_softcapping
 from .rollout_recording import replay_warpers
 
 __all__ = [
@@ -445,14 +445,17 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Forwards of packed rows
 
-    def tree_hidden_states(self, unwrapped: nn.Module, row: PackedRow) -> torch.Tensor:
-        """`(1, M, H)`: the backbone's last hidden states at the row's loss terms (`token_index`)."""
+    def tree_hidden_states(self, unwrapped: nn.Module, row: PackedRow, output_router_logits: bool = False):
+        """`(1, M, H)`: the backbone's last hidden states at the row's loss terms (`token_index`); with
+        `output_router_logits`, also the MoE routers' logits over the row's forwarded tokens."""
         backbone = causal_lm(unwrapped).base_model
+        router = {"output_router_logits": True} if output_router_logits else {}
         with self.accelerator.autocast():
-            hidden = backbone(
-                input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **row.tree_kwargs
-            ).last_hidden_state
-        return hidden[:, row.token_index]
+            out = backbone(
+                input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **router, **row.tree_kwargs
+            )
+        hidden = out.last_hidden_state[:, row.token_index]
+        return (hidden, out.router_logits) if output_router_logits else hidden
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, row: PackedRow, truncation=None) -> torch.Tensor:
@@ -476,7 +479,16 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             return self._no_grad_logprobs(self.model, row)
 
     def _packed_loss(self, unwrapped: nn.Module, ctx: BaseRLLossContext):
-        return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
+        """The micro-batch's `(loss, metrics)`; for an MoE policy whose router loss is trained (`aux_loss_enabled`,
+        as TRL's async trainer) plus `router_aux_loss_coef` × the model's own load-balancing loss over the packed
+        row's forwarded tokens (TRL's `aux_loss` over the same row)."""
+        if not self.aux_loss_enabled:
+            return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
+        hidden, router_logits = self.tree_hidden_states(unwrapped, ctx.packed_row, output_router_logits=True)
+        lm = causal_lm(unwrapped)
+        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, None)
+        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+        return self._add_router_aux_loss(loss, metrics, aux_loss, "train")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL override: the loss layer's loss of this micro-batch, from the context `get_batch_samples` built."""
