@@ -12,7 +12,7 @@ worker drains between two `generate` calls (it loads them then, so a batch is ne
 Health: the worker ticks a heartbeat after every batch (and while it waits on a full queue); `check_health` raises,
 naming the cause, when the process died, raised (its traceback is chained), or has not ticked for `stale_after_s`
 seconds; TRL's trainer calls it whenever its queue stays empty for 5 s. Samples come through a `SampleChannel`
-(`async_channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
+(`async_/channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
 weights through `LatestWeights` (only the newest kept). The worker exits within a second when the trainer's process
 dies (it polls its parent's PID), so neither side can hang on, or outlive, the other.
 """
@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from .async_channel import LatestWeights, SampleChannel
-from .rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from .channel import LatestWeights, SampleChannel
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
 
