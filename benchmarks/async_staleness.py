@@ -276,14 +276,34 @@ def _steps_to(rewards: list[float], target: float, window: int = 5) -> float:
     return float("nan")
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_sd(values: list[float], missing: str = "never") -> str:
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
-        return "never"
+        return missing
     mean = sum(finite) / len(finite)
     sd = (sum((v - mean) ** 2 for v in finite) / (len(finite) - 1)) ** 0.5 if len(finite) > 1 else 0.0
-    missing = len(values) - len(finite)
-    return f"{mean:.3g} ± {sd:.2g}" + (f" ({missing} never)" if missing else "")
+    absent = len(values) - len(finite)
+    return f"{mean:.3g} ± {sd:.2g}" + (f" ({absent} {missing})" if absent else "")
+
+
+def _drift_by_lag(runs) -> None:
+    """How far the trained policy is from the sampler, per lag at training (every step of every run, warm-up steps
+    included: a run with sampler lag k trains its first k + 1 steps at lags 0, 1, ..., k)."""
+    table: dict[tuple[int, str], list[dict]] = collections.defaultdict(list)
+    for (_, _, arm), (rows, _) in runs.items():
+        for r in rows:
+            table[(int(r["bench/lag_trained"]), arm)].append(r)
+    print("\n| lag (trained) | arm | steps | mean \\|log π_θ − log π_behavior\\| | ESS | frac \\|Δ\\| > ln 2 |")
+    print("|---|---|---|---|---|---|")
+    for (lag, arm), rows in sorted(table.items()):
+        mean = {
+            k: sum(r[k] for r in rows) / len(rows) for k in ("bench/abs_logratio", "bench/ess", "bench/frac_over_ln2")
+        }
+        print(
+            f"| {lag} | {arm} | {len(rows)} | {mean['bench/abs_logratio']:.3f} | {mean['bench/ess']:.3f} | "
+            f"{mean['bench/frac_over_ln2']:.3f} |"
+        )
+    print()
 
 
 def report(tag: str) -> None:
@@ -322,9 +342,10 @@ def report(tag: str) -> None:
             mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
             print(
                 f"| {mean(lag_trained):.1f} | {ARM_NAMES[arm]} | {len(cell)} | {mean(drift):.3f} | {mean(ess):.3f} | "
-                f"{mean(over):.3f} | {_mean_sd(auc)} | {_mean_sd(steps_to)} | {_mean_sd(held)} | "
-                f"{_mean_sd(d_auc) if d_auc else '–'} | {_mean_sd(d_held) if d_held else '–'} |"
+                f"{mean(over):.3f} | {_mean_sd(auc)} | {_mean_sd(steps_to)} | {_mean_sd(held, 'not measured')} | "
+                f"{_mean_sd(d_auc) if d_auc else '–'} | {_mean_sd(d_held, 'not measured') if d_held else '–'} |"
             )
+    _drift_by_lag(runs)
     fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.6), squeeze=False, sharey=True)
     colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
     for ax, lag in zip(axes[0], lags):
