@@ -14,9 +14,14 @@ loss of an optimizer step (see docs/async.md):
   predicts each target); the loss layer sees them as one packed row `(1, M)` split into sequences by `segment_id`,
   and projects the backbone's hidden states at `token_index` through the LM head in chunks (no `(tokens, vocab)`
   logits).
+* **Staleness when trained.** `max_staleness` bounds the lag a sample has when it is trained (the dataloader's
+  prefetch adds a version to the lag TRL's filter sees when it pulls the sample); staler samples are taken out of the
+  loss in `get_batch_samples`. `num_mini_batches` trains a batch in several optimizer steps against one π_old
+  (AReaL's mini-batches), so that the PPO clip binds.
 * **Metrics**: the loss layer's (`train_policy/*`, `mismatch/*`, `rollout_is/*`), plus `async/version_lag_mean`,
-  `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer) and
-  `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale).
+  `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer, when it is trained)
+  and `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale, when
+  pulled or when trained). The MoE router loss is added as in TRL's async trainer.
 """
 
 from __future__ import annotations
