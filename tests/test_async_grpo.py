@@ -152,11 +152,10 @@ def test_staleness_zero_equals_synchronous_trainer(policy, tok, tmp_path):
     sync_after = trainable_snapshot(sync.model)
     assert len(recorder.batches) == 3 and all(b["prompt_ids"].shape[0] == 4 for b in recorder.batches)
 
-    # TRL's staleness filter runs when a sample is pulled, and the dataloader pulls the next step's micro-batch ahead:
-    # step k's samples are pulled under version max(k, 1) (the cold sync makes the first version 1), so tagged with
-    # it they are fresh and pass max_staleness=0.
-    samples = _as_rollout_samples(recorder.batches + recorder.batches[-1:], version_of_step=lambda step: max(step, 1))
-    options = {**ASYNC_ARGS, **SGD, "max_staleness": 0}
+    # Step k (0-based) trains at policy version k + 1 (the cold sync makes the first version 1): tagged with it, the
+    # samples are trained at lag 0 (the dataloader pulls them one step ahead, when they look one version "early").
+    samples = _as_rollout_samples(recorder.batches + recorder.batches[-1:], version_of_step=lambda step: step + 1)
+    options = {**ASYNC_ARGS, **SGD, "max_staleness": 1}
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path / "async"), rl_loss=rl_loss, **options)
     trainer, our_before, our_after = _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
     assert _max_diff(before, our_before) == 0.0
@@ -172,9 +171,33 @@ def test_staleness_zero_equals_synchronous_trainer(policy, tok, tmp_path):
 # Bad input
 
 
-def test_negative_max_staleness_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="max_staleness=-1 must be an integer >= 0"):
-        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=-1)
+@pytest.mark.parametrize("value", [-1, 0])
+def test_max_staleness_below_one_is_refused(tmp_path, value):
+    """max_staleness counts versions at training; the prefetch makes every asynchronous sample at least 1 late."""
+    with pytest.raises(ValueError, match=f"max_staleness={value} must be an integer >= 1: .* trained at least 1"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_staleness=value)
+
+
+def test_decoupled_objective_gets_rollout_is_by_default(tmp_path):
+    """Unset rl_loss, or rl_loss without rollout_is: the decoupled objective weighs by the truncated IS weight."""
+    for rl_loss in (None, {"policy_loss_cfg": {"loss_type": "vanilla"}}):
+        cfg = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, rl_loss=rl_loss).rl_loss_config
+        assert cfg.rollout_is.enabled and (cfg.rollout_is.level, cfg.rollout_is.upper) == ("token", 2.0)
+    trl = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, behavior_as_old_policy=True)
+    assert not trl.rl_loss_config.rollout_is.enabled  # TRL's choice: the clip against the sampler protects
+    ablation = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, allow_uncorrected_staleness=True)
+    assert not ablation.rl_loss_config.rollout_is.enabled
+    mini = RLLossAsyncGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, num_mini_batches=2, rl_loss={"rollout_is": {}}
+    )
+    assert not mini.rl_loss_config.rollout_is.enabled  # the clip binds from the second mini-batch
+
+
+def test_decoupled_objective_without_protection_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="rl_loss.rollout_is is off .* the PPO clip never binds"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, rl_loss={"rollout_is": {}})
+    with pytest.raises(ValueError, match="num_mini_batches=0 must be an integer >= 1"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_mini_batches=0)
 
 
 def test_rollout_is_with_behavior_as_old_policy_is_refused(tmp_path):
@@ -196,14 +219,23 @@ def test_invalid_rl_loss_names_the_key(tmp_path):
         )
 
 
-def test_rollout_is_without_behaviour_logprobs_is_refused(policy, tok, tmp_path):
-    """A sampler that reports no log-probs (NaN) cannot be corrected: the first step says so, naming the option."""
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rl_loss": {"rollout_is": {"upper": 2.0}}},
+        {"allow_uncorrected_staleness": True},
+        {"behavior_as_old_policy": True},
+    ],
+    ids=["rollout-is", "is-off", "trl-old-policy"],
+)
+def test_missing_behaviour_logprobs_are_refused(policy, tok, tmp_path, options):
+    """A sampler that reports no log-probs (NaN): with IS or without, the first step says so (the loss layer would
+    otherwise drop every token and train nothing)."""
     samples = fixed_samples(2)
     for sample in samples:
         sample.old_log_probs[:] = np.nan
-    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss={"rollout_is": {"upper": 2.0}}, max_steps=1,
-                                 **ASYNC_ARGS)  # fmt: skip
-    with pytest.raises(ValueError, match="rl_loss.rollout_is needs the sampler's log-probs"):
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, **options, **ASYNC_ARGS)
+    with pytest.raises(ValueError, match="the sampler's log-probs of [0-9]+ trained tokens .* are missing"):
         _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
 
 
@@ -297,10 +329,10 @@ def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option
         HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
 
 
-def test_rollout_is_with_a_worker_recording_no_logprobs_is_refused(policy, tok, tmp_path):
+def test_a_worker_recording_no_logprobs_is_refused(policy, tok, tmp_path):
     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
 
-    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss={"rollout_is": {"upper": 2.0}}, **ASYNC_ARGS)
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), allow_uncorrected_staleness=True, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, record_logprobs=False)
     with pytest.raises(ValueError, match="records_logprobs is False"):
         RLLossAsyncGRPOTrainer(policy, [], args, prompts_dataset(), tok, rollout_worker=worker,
@@ -369,20 +401,280 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
 def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(policy, tok, tmp_path):
     """`weight_lag=2`: the cold sync's weights are used at once (nothing older exists; waiting would deadlock with
     the trainer, which waits for samples), later ones when two newer versions have arrived."""
-    import queue as queues
     import types
 
     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)
-    weights = queues.Queue()
-    loop = _WorkerLoop(worker._settings, None, None, weights, None, types.SimpleNamespace(value=0.0))
+    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
     loop.load()
     state = {k: v.clone() for k, v in loop.model.state_dict().items()}
     seen = []
     for version in range(1, 6):
-        weights.put((version, state))
+        worker.weights.publish(version, iter(state.items()))
         loop._apply_weights(block=False)
         seen.append(loop.version)
     assert seen == [1, 1, 1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Staleness: measured when a sample is trained; mini-batches; the IS weight of a stale sample
+
+
+def _tagged(groups_versions: list[int], group_size: int = 4):
+    """`fixed_samples` with group `g` tagged as sampled by policy version `groups_versions[g]`."""
+    samples = fixed_samples(len(groups_versions), group_size=group_size)
+    for sample in samples:
+        sample.model_version = groups_versions[sample.group_id]
+    return samples
+
+
+def _completion_tokens(samples, groups) -> int:
+    return sum(int(s.completion_mask.sum()) for s in samples if s.group_id in groups)
+
+
+def test_a_sample_stale_when_trained_is_dropped(policy, tok, tmp_path):
+    """max_staleness=1, two groups per step. Step 2's first group (version 0) is pulled during step 1, at version 1
+    (lag 1: TRL's filter keeps it) but trained at version 2 (lag 2): it is dropped from the loss, counted in
+    `async/dropped_stale_frac`, and the trained lags logged are those at training (0 here)."""
+    samples = _tagged([1, 1, 0, 2, 3, 3, -1, 4, 4, 4])
+    options = {**ASYNC_ARGS, **SGD, "per_device_train_batch_size": 8, "max_staleness": 1}
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **options)
+    trainer, _, _ = _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == 3
+    assert [log["train_policy/valid_tokens"] for log in logs] == [
+        _completion_tokens(samples, {0, 1}),
+        _completion_tokens(samples, {3}),  # group 2 left out
+        _completion_tokens(samples, {4, 5}),
+    ]
+    assert all(log["async/version_lag_max"] == 0.0 for log in logs)
+    assert logs[0]["async/dropped_stale_frac"] == 0.0
+    assert logs[1]["async/dropped_stale_frac"] > 0.0  # the group dropped at training
+    assert logs[2]["async/dropped_stale_frac"] > 0.0  # group 6: lag 4 when pulled, dropped by TRL's filter
+
+
+def test_mini_batches_make_the_clip_bind(policy, tok, tmp_path):
+    """num_mini_batches=2: π_old is computed once per batch, with the weights of its first step. The first step of
+    each batch trains at π_θ = π_old (ratio 1 to round-off); the second, after one SGD step, at π_θ ≠ π_old."""
+    samples = fixed_samples(6)
+    rl_loss = {"policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28}}
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), num_mini_batches=2, rl_loss={**rl_loss, "rollout_is": {}},
+                                 **{**ASYNC_ARGS, **SGD, "max_steps": 4, "learning_rate": 0.5})  # fmt: skip
+    trainer, _, _ = _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    deviation = [log["train_policy/ratio_abs_dev_mean"] for log in logs]
+    assert len(deviation) == 4
+    # float32 log-probs of the same weights through the same forward: equal to a few ulps of exp(Δ) ≈ 1
+    assert deviation[0] < 1e-5 and deviation[2] < 1e-5
+    assert deviation[1] > 1e-2 and deviation[3] > 1e-2
+    assert any(log["train_policy/clip_frac_low"] + log["train_policy/clip_frac_high"] > 0 for log in logs[1::2])
+
+
+def test_rollout_is_weight_of_stale_samples_with_gradient_accumulation(policy, tok, tmp_path):
+    """One optimizer step of two micro-batches (gradient accumulation 2) on samples 3 versions stale, token-level IS
+    truncated at 1.5: the update equals an independent computation on the unpacked sequences, with π_old the policy's
+    log-probs, π_behavior the sampler's and the token-mean over both micro-batches' tokens."""
+    samples = _tagged([-2, -2, -2])
+    rl_loss = {
+        "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
+        "loss_agg_mode": "token-mean",
+        "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.5},
+    }
+    options = {**ASYNC_ARGS, **SGD, "max_steps": 1, "gradient_accumulation_steps": 2, "max_staleness": 5}
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss=rl_loss, **options)
+    trainer, before, after = _train_async(RLLossAsyncGRPOTrainer, args, policy, tok, samples)
+    (log,) = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert log["async/version_lag_max"] == 3.0
+
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    trained = [s for s in samples if s.group_id in (0, 1)]
+    loss, tokens, truncated = 0.0, 0, 0
+    for sample in trained:
+        ids = torch.as_tensor(sample.input_ids).unsqueeze(0)
+        mask = torch.as_tensor(sample.completion_mask[1:]).bool()
+        logps = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0][mask]
+        behavior = torch.as_tensor(sample.old_log_probs[1:])[mask]
+        weight = torch.exp(logps.detach() - behavior).clamp(max=1.5)  # π_old / π_behavior, truncated
+        truncated += int((weight == 1.5).sum())
+        loss = loss - (weight * sample.advantage * logps).sum()
+        tokens += int(mask.sum())
+    (loss / tokens).backward()
+    expected = {n: p.detach() - SGD["learning_rate"] * p.grad for n, p in model.named_parameters() if n in before}
+    assert truncated > 0, "no weight reached the truncation: the test would not see it"
+    assert log["train_policy/valid_tokens"] == tokens
+    assert _max_diff(after, before) > 1e-3
+    assert _max_diff(after, expected) < TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The channels: a worker killed mid-write, a killed trainer, the newest weights only
+
+
+def _write_half_then_die(channel, payload_bytes: int) -> None:
+    """Send a frame's header and half its payload, then SIGKILL this process (what the OOM killer does)."""
+    import os
+    import pickle
+    import signal
+
+    from hf_rlloss.trainer.async_.channel import _HEADER
+
+    payload = pickle.dumps(np.random.default_rng(0).bytes(payload_bytes))
+    os.write(channel._writer.fileno(), _HEADER.pack(len(payload)) + payload[: len(payload) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_write_is_named_within_seconds():
+    """A 50 KB sample half-written when its writer is killed: the read raises the health check's error naming the
+    dead process, within seconds, instead of blocking for ever as `multiprocessing.Queue.get` does."""
+    import multiprocessing
+    import threading
+
+    from hf_rlloss.trainer.async_.channel import SampleChannel
+
+    ctx = multiprocessing.get_context("fork")  # the channel's mechanics; no need to import torch in the child
+    channel = SampleChannel(ctx, maxsize=4)
+    writer = ctx.Process(target=_write_half_then_die, args=(channel, 50_000))
+
+    def health():
+        if not writer.is_alive():
+            raise RuntimeError(f"rollout process exited (exit code {writer.exitcode})")
+
+    channel.health = health
+    writer.start()
+    channel.close_writer()
+    outcome = []
+
+    def read():
+        try:
+            outcome.append(channel.get(timeout=60.0))
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            outcome.append(err)
+
+    start = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=20.0)
+    assert not reader.is_alive(), "the read hangs on the half-written message"
+    assert time.monotonic() - start < 20.0
+    (error,) = outcome
+    assert isinstance(error, RuntimeError) and "exit code -9" in str(error)
+
+
+def _trainer_with_a_worker(report) -> None:
+    """A stand-in trainer: starts a worker child that watches it as the rollout worker does, reports its PID, and
+    waits to be killed."""
+    import multiprocessing
+    import os
+
+    from hf_rlloss.trainer.async_.cpu_rollout import _exit_with_parent
+
+    worker = multiprocessing.get_context("fork").Process(target=_exit_with_parent, args=(os.getpid(), 0.1))
+    worker.start()
+    report.send(worker.pid)
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_worker_exits_when_its_trainer_is_killed():
+    import multiprocessing
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    trainer = ctx.Process(target=_trainer_with_a_worker, args=(send,))
+    trainer.start()
+    try:
+        assert receive.poll(30.0)
+        worker_pid = receive.recv()
+        assert _running(worker_pid)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(timeout=10)
+        deadline = time.monotonic() + 10.0
+        while _running(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(worker_pid), "the worker outlived its trainer"
+    finally:
+        for pid in (trainer.pid, locals().get("worker_pid")):
+            if pid is not None and _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_latest_weights_keep_the_newest_version_and_no_descriptors_pile_up(policy, tok, tmp_path):
+    """Weights sent while the worker is busy overwrite each other in one shared copy (the worker loads the newest,
+    and later versions reach it: dropping them fails this test); the trainer's open file descriptors do not grow."""
+    import os
+    import types
+
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, _WorkerLoop
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
+    worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
+    transfer = QueueWeightTransfer(worker)
+    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
+    loop.load()
+    base = {k: v.clone() for k, v in loop.model.state_dict().items()}
+
+    def send(version):  # as TRL does: send, then bump the version
+        transfer.send_weights((k, v + version) for k, v in base.items())
+        worker.update_model_version(version)
+
+    send(1)
+    loop._apply_weights(block=True)
+    assert loop.version == 1
+    fds = len(os.listdir("/proc/self/fd"))
+    for version in range(2, 30):
+        send(version)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    loop._apply_weights(block=False)
+    assert loop.version == 29
+    for name, value in loop.model.state_dict().items():
+        torch.testing.assert_close(value, base[name] + 29, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parity with TRL: the MoE router loss
+
+
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory, tok):
+    """A tiny Qwen3-MoE (4 experts, top 2, router_aux_loss_coef 0.1) saved to disk."""
+    from _trainer_utils import tiny_config
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = tiny_config(tok, head_dim=8, num_experts_per_tok=2, tie_word_embeddings=False, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, **common)
+    )
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_moe_router_loss_as_stock_async_trainer(moe_policy, tok, tmp_path):
+    """TRL's async trainer adds router_aux_loss_coef × the model's load-balancing loss: configured as TRL, the loss
+    layer's trainer makes the same update on an MoE policy (2 SGD steps), and logs TRL's `aux_loss`."""
+    samples = fixed_samples(3)
+    options = {**ASYNC_ARGS, **SGD, "max_steps": 2, "epsilon_high": 0.28}
+    stock = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"), **options)
+    ours = RLLossAsyncGRPOConfig(output_dir=str(tmp_path / "ours"), behavior_as_old_policy=True, **options)
+    stock_trainer, before, stock_after = _train_async(AsyncGRPOTrainer, stock, moe_policy, tok, samples)
+    trainer, _, our_after = _train_async(RLLossAsyncGRPOTrainer, ours, moe_policy, tok, samples)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.1
+    assert _max_diff(stock_after, before) > 1e-3
+    assert _max_diff(stock_after, our_after) < TOLERANCE
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    stock_logs = [h for h in stock_trainer.state.log_history if "aux_loss" in h]
+    assert [log["aux_loss"] for log in logs] == pytest.approx([log["aux_loss"] for log in stock_logs], rel=1e-5)

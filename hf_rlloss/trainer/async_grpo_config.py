@@ -4,7 +4,11 @@ TRL's async trainer has one loss: a token-level PPO clip (`epsilon`, `epsilon_hi
 π_old. Without `rl_loss` that loss is **mapped** onto the loss layer (`async_trl_options_to_rl_loss`); with `rl_loss`,
 `epsilon`/`epsilon_high` left at a non-default value must agree with it. `behavior_as_old_policy` keeps TRL's choice of
 π_old (the sampler's log-probs, one forward fewer); by default π_old is the trainer's own no-grad pass at the start of
-each optimizer step and the sampler's log-probs are π_behavior (the decoupled objective, see docs/async.md).
+each batch and the sampler's log-probs are π_behavior (the decoupled objective, see docs/async.md).
+
+Stale samples are never trained unprotected by default: in the decoupled objective rollout IS (π_old / π_behavior,
+token level, truncated at 2: `DEFAULT_ROLLOUT_IS`) is on unless `rl_loss.rollout_is` says otherwise, and a loss with
+neither an IS weight nor a binding clip (`num_mini_batches > 1`) is refused unless `allow_uncorrected_staleness`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,19 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 from .grpo_config import parse_rl_loss, validate_rl_loss
 
-__all__ = ["RLLossAsyncGRPOConfig", "TREE_ATTENTION_BACKENDS", "async_trl_options_to_rl_loss"]
+__all__ = [
+    "DEFAULT_ROLLOUT_IS",
+    "RLLossAsyncGRPOConfig",
+    "TREE_ATTENTION_BACKENDS",
+    "async_trl_options_to_rl_loss",
+]
 
 # "auto": TRL's FlashAttention-3 kernel on CUDA when `kernels` is installed, else hf_rlloss' exact SDPA tree attention
 TREE_ATTENTION_BACKENDS = ("auto", "fa3", "sdpa")
+
+# The rollout IS of the decoupled objective when `rl_loss` names none: token-level π_old / π_behavior, truncated at 2
+# (TIS, as the async demo; AReaL and verl truncate token weights at 2 to 5)
+DEFAULT_ROLLOUT_IS = {"level": "token", "mode": "truncate", "upper": 2.0}
 
 
 def _async_default(name: str) -> Any:
@@ -54,12 +67,23 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         rl_loss (`dict` or `str`, *optional*):
             The loss configuration, exactly as `RLLossGRPOConfig.rl_loss` (policy loss, KL to a reference, rollout
             IS, OPSM, entropy bonus, aggregation). When unset, TRL's async loss (`epsilon`, `epsilon_high`) is mapped
-            onto it (`async_trl_options_to_rl_loss`).
+            onto it (`async_trl_options_to_rl_loss`). Without a `rollout_is` key, the decoupled objective gets
+            `DEFAULT_ROLLOUT_IS`.
         behavior_as_old_policy (`bool`, *optional*, defaults to `False`):
             `True`: TRL's behaviour, the sampler's log-probs are π_old (the PPO clip is taken against them; no extra
             forward; rollout IS is then refused, its weight would be 1). `False`: π_old is the trainer's no-grad pass
-            at the start of the optimizer step, the clip is taken against it, and rollout IS weighs by
-            π_old / π_behavior.
+            at the start of each batch, the clip is taken against it, and rollout IS weighs by π_old / π_behavior
+            (`DEFAULT_ROLLOUT_IS` when `rl_loss` has no `rollout_is`).
+        num_mini_batches (`int`, *optional*, defaults to `1`):
+            Optimizer steps per batch (AReaL's mini-batches): the trainer takes `num_mini_batches` optimizer steps'
+            worth of micro-batches at once, computes π_old for all of them with the weights of the first step, and
+            trains them in `num_mini_batches` steps, so that from the second step on π_θ ≠ π_old and the PPO clip
+            binds. With 1, π_θ = π_old at the loss and the clip never binds: the IS weight is then the only
+            protection against stale samples.
+        allow_uncorrected_staleness (`bool`, *optional*, defaults to `False`):
+            Allow the decoupled objective with neither rollout IS nor a binding clip (`num_mini_batches: 1`): stale
+            samples then train with an unclipped, unweighted policy gradient. An ablation (verl calls it a common
+            mistake), refused by default. With it, no default rollout IS is added.
         rollout_logprobs_support (`str`, *optional*, defaults to `"full"`):
             The support of the sampler's log-probs under top-k/top-p/min-p: `"full"` (whole vocabulary, as the CPU
             worker records them by default) or `"sampled"` (renormalized over the truncated support; π_old is then
@@ -95,7 +119,7 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         default=False,
         metadata={
             "help": "True: TRL's behaviour (the sampler's log-probs are pi_old, one forward fewer). False: pi_old is "
-            "the trainer's no-grad pass at the start of each optimizer step; rollout IS weighs pi_old/pi_behavior."
+            "the trainer's no-grad pass at the start of each batch; rollout IS weighs pi_old/pi_behavior."
         },
     )
     rollout_logprobs_support: str = field(
@@ -111,13 +135,35 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         default="off",
         metadata={"help": "MoE routing replay: only 'off' here (RLLossGRPOConfig.routing_replay: the sync trainer)."},
     )
+    num_mini_batches: int = field(
+        default=1,
+        metadata={
+            "help": "Optimizer steps per batch (AReaL's mini-batches): pi_old is computed once per batch, so from the "
+            "second step on the PPO clip binds."
+        },
+    )
+    allow_uncorrected_staleness: bool = field(
+        default=False,
+        metadata={
+            "help": "Train stale samples with neither rollout IS nor a binding clip (pi_old recomputed, the behaviour "
+            "policy ignored): an ablation, not a training setting."
+        },
+    )
 
     def __post_init__(self):
-        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 1:
             raise ValueError(
-                f"max_staleness={self.max_staleness!r} must be an integer >= 0 (the policy versions a sample may lag "
-                "behind the trainer; 0 trains only on samples of the current policy)"
+                f"max_staleness={self.max_staleness!r} must be an integer >= 1: the policy versions a sample may lag "
+                "behind the trainer when it is trained. The dataloader takes each step's first micro-batch before the "
+                "previous step's weights are synced, so an asynchronous sample is trained at least 1 version late "
+                "(TRL's max_staleness=0, measured when the sample is queued, is max_staleness=1 here)"
             )
+        if (
+            not isinstance(self.num_mini_batches, int)
+            or isinstance(self.num_mini_batches, bool)
+            or (self.num_mini_batches < 1)
+        ):
+            raise ValueError(f"num_mini_batches={self.num_mini_batches!r} must be an integer >= 1")
         if self.tree_attention not in TREE_ATTENTION_BACKENDS:
             allowed = ", ".join(TREE_ATTENTION_BACKENDS)
             raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {allowed}")
@@ -136,14 +182,32 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             raise ValueError(
                 "rl_loss.rollout_is with behavior_as_old_policy=True: π_old would be the sampler's own log-probs, so "
                 "the IS weight π_old/π_behavior is 1. Set behavior_as_old_policy=False (π_old = the trainer's pass at "
-                "the start of each optimizer step) or unset rl_loss.rollout_is.upper"
+                "the start of each batch), or leave rl_loss.rollout_is out with behavior_as_old_policy=True"
             )
+        self._check_stale_samples_protected()
+
+    def _check_stale_samples_protected(self) -> None:
+        """The decoupled objective needs an IS weight or a binding clip, unless `allow_uncorrected_staleness`."""
+        if self.behavior_as_old_policy or self.allow_uncorrected_staleness:
+            return
+        if self.rl_loss_config.rollout_is.enabled or self.num_mini_batches > 1:
+            return
+        raise ValueError(
+            "rl_loss.rollout_is is off with behavior_as_old_policy=False and num_mini_batches=1: π_old is recomputed "
+            "at the step, so π_θ = π_old at the loss, the PPO clip never binds and stale samples would train with an "
+            "unclipped, unweighted policy gradient. Set rl_loss.rollout_is.upper (e.g. "
+            f"{DEFAULT_ROLLOUT_IS}, the default when rl_loss has no rollout_is), num_mini_batches > 1 (the clip "
+            "binds from the second mini-batch), behavior_as_old_policy=True (TRL: the clip is taken against the "
+            "sampler), or allow_uncorrected_staleness=True for the ablation"
+        )
 
     def _build_rl_loss_config(self) -> BaseRLLossConfig:
         mapped, source = async_trl_options_to_rl_loss(self)
+        data = dict(mapped if self.rl_loss is None else self.rl_loss)
+        if "rollout_is" not in data and not self.behavior_as_old_policy and not self.allow_uncorrected_staleness:
+            data["rollout_is"] = dict(DEFAULT_ROLLOUT_IS)
         if self.rl_loss is None:
-            return validate_rl_loss(self.loss_config_class, mapped)
-        data = dict(self.rl_loss)
+            return validate_rl_loss(self.loss_config_class, data)
         if data.get("loss_agg_mode") == "seq-mean-token-sum-norm" and data.get("loss_scale_factor") is None:
             data["loss_scale_factor"] = float(self.max_completion_length)
         cfg = validate_rl_loss(self.loss_config_class, data)

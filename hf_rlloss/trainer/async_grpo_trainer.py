@@ -14,15 +14,20 @@ loss of an optimizer step (see docs/async.md):
   predicts each target); the loss layer sees them as one packed row `(1, M)` split into sequences by `segment_id`,
   and projects the backbone's hidden states at `token_index` through the LM head in chunks (no `(tokens, vocab)`
   logits).
+* **Staleness when trained.** `max_staleness` bounds the lag a sample has when it is trained (the dataloader's
+  prefetch adds a version to the lag TRL's filter sees when it pulls the sample); staler samples are taken out of the
+  loss in `get_batch_samples`. `num_mini_batches` trains a batch in several optimizer steps against one π_old
+  (AReaL's mini-batches), so that the PPO clip binds.
 * **Metrics**: the loss layer's (`train_policy/*`, `mismatch/*`, `rollout_is/*`), plus `async/version_lag_mean`,
-  `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer) and
-  `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale).
+  `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer, when it is trained)
+  and `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale, when
+  pulled or when trained). The MoE router loss is added as in TRL's async trainer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,7 +52,13 @@ from ..parallel.tree_attention import register_tree_attention
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
-from .common.lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
+from .common.lm_head import (
+    causal_lm,
+    check_model_supported,
+    load_balancing_loss_func,
+    logit_scale,
+    with_model_softcapping,
+)
 from .common.overrides import overridden
 from .common.rollout_recording import replay_warpers
 
@@ -138,6 +149,24 @@ class PackedRow:
     behavior_logprobs: torch.Tensor  # (M,) the sampler's log-probs of the targets
     advantages: torch.Tensor  # (M,)
     num_tokens: torch.Tensor  # (S,) trained tokens of each sample (the loss terms are grouped by sample)
+    sample_versions: torch.Tensor | None = None  # (S,) the policy version that sampled each sample
+
+
+def keep_samples(row: PackedRow, keep: torch.Tensor) -> PackedRow:
+    """`row` with the loss terms of the samples where `keep` `(S,)` is False taken out (their tokens are still
+    forwarded, as context of the samples sharing a prefix with them, but trained on by no loss term)."""
+    if bool(keep.all()):
+        return row
+    terms = torch.repeat_interleave(keep, row.num_tokens)  # (M,) the loss terms are grouped by sample, in order
+    return dataclasses.replace(
+        row,
+        token_index=row.token_index[terms],
+        labels=row.labels[terms],
+        behavior_logprobs=row.behavior_logprobs[terms],
+        advantages=row.advantages[terms],
+        num_tokens=row.num_tokens[keep],
+        sample_versions=None if row.sample_versions is None else row.sample_versions[keep],
+    )
 
 
 def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
@@ -155,6 +184,7 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
         samples = int(inputs["num_samples"][0])
     else:
         samples = int(segment_id.max()) + 1 if segment_id.numel() else 0
+    versions = inputs["sample_versions"][0, :samples] if "sample_versions" in inputs else None
     return PackedRow(
         input_ids=inputs["input_ids"][mask].unsqueeze(0),
         position_ids=inputs["position_ids"][mask].unsqueeze(0),
@@ -164,6 +194,7 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
         behavior_logprobs=inputs["old_log_probs"][selected].float(),
         advantages=inputs["advantages"][selected].float(),
         num_tokens=torch.bincount(segment_id, minlength=samples),
+        sample_versions=versions,
     )
 
 
@@ -201,20 +232,19 @@ class _VersionedDataset(RolloutQueueDataset):
 
 @dataclass
 class _VersionedCollator(DataCollatorForRollout):
-    """TRL's collator, also sending each row's sample count (`num_samples`) and logging the samples' version lag."""
-
-    model_version_fn: Any = None
+    """TRL's collator, also sending each row's sample count (`num_samples`) and the policy version of each of its
+    samples (`sample_versions`, padded with -1): the trainer measures their lag when it trains them."""
 
     def torch_call(self, examples: list[Any]) -> dict[str, Any]:
         batch = super().torch_call(examples)
         (rows,) = examples
         batch["num_samples"] = torch.tensor([len(row.samples) for row in rows])
-        if self.model_version_fn is not None:
-            version = self.model_version_fn()
-            lags = [float(version - s["model_version"]) for row in rows for s in row.samples if "model_version" in s]
-            if lags:
-                self.metrics["async/version_lag_mean"].append((sum(lags), float(len(lags))))
-                self.metrics["async/version_lag_max"].append(max(lags))
+        width = max(1, max(len(row.samples) for row in rows))
+        versions = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            for i, sample in enumerate(row.samples):
+                versions[r, i] = int(sample.get("model_version", -1))
+        batch["sample_versions"] = versions
         return batch
 
 
@@ -275,7 +305,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
                 "field configures the loss"
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
-        _check_worker_logprobs(rollout_worker, self.rl_loss_config, args)
+        _check_worker_logprobs(rollout_worker)
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
         with portable_async_trl("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda"):
             super().__init__(
@@ -303,6 +333,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         self._forward_redirection = _ForwardRedirection()
         self.sp_mesh = None
         self._rl_pending: deque[BaseRLLossContext] = deque()
+        self._rl_stash: deque[tuple[list, list[BaseRLLossContext]]] = deque()  # the batch's later mini-batches
         self._rl_step_metrics: dict[str, Any] = {}
         self._truncation = (
             replay_warpers(args.top_k, args.top_p, args.min_p) if args.rollout_logprobs_support == "sampled" else None
@@ -324,23 +355,84 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
 
     def get_train_dataloader(self):
         """TRL's dataloader, its dataset and collator swapped for the versioned ones (same samples, same rows)."""
-        collator = functools.partial(_VersionedCollator, model_version_fn=lambda: self.model_version)
-        with overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=collator):
+        with overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=_VersionedCollator):
             return super().get_train_dataloader()
+
+    def _sync_weight(self):
+        """TRL's weight sync; the policy version is also counted on the ranks other than the main process (TRL counts
+        it there only), as every rank measures the lag of the samples it trains."""
+        super()._sync_weight()
+        if not self.accelerator.is_main_process:
+            self.model_version += 1
 
     # ------------------------------------------------------------------------------------------------------------
     # Optimizer steps: every micro-batch's context built and normalized before the first backward
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Trainer override: also build the loss contexts of the optimizer step's micro-batches (π_old and reference
-        log-probs from no-grad passes, rollout IS), normalized together over all ranks."""
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if batches:
-            contexts = [self.build_loss_context(packed_row(batch), i) for i, batch in enumerate(batches)]
-            type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
-            self._rl_pending = deque(contexts)
-            self._rl_step_metrics = {}
-        return batches, num_items
+        log-probs from no-grad passes, rollout IS), normalized together over all ranks.
+
+        With `num_mini_batches` > 1 the first step of a batch takes `num_mini_batches` steps' worth of micro-batches,
+        builds all their contexts with the current weights (π_old), and the next steps train the stashed rest.
+        Samples that will be more than `max_staleness` versions old when trained are taken out of the loss here
+        (`keep_samples`): the dataloader's prefetch makes the lag at training larger than the lag TRL's filter sees.
+        """
+        if not self._rl_stash:
+            n = self.args.num_mini_batches
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches * n, device)
+            if not batches:
+                return batches, None
+            groups = [batches[i : i + num_batches] for i in range(0, len(batches), num_batches)]
+            metrics: dict[str, list] = {"lag": [], "dropped": []}
+            rows = [
+                [self._fresh_enough(packed_row(batch), self._version_at(j), metrics) for batch in group]
+                for j, group in enumerate(groups)
+            ]
+            for group, group_rows in zip(groups, rows):
+                contexts = [self.build_loss_context(row, i) for i, row in enumerate(group_rows)]
+                type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
+                self._rl_stash.append((group, contexts))
+            self._log_lags(metrics)
+        batches, contexts = self._rl_stash.popleft()
+        self._rl_pending = deque(contexts)
+        self._rl_step_metrics = {}
+        return batches, None
+
+    def _version_at(self, mini_batch: int) -> int:
+        """The policy version the trainer will have when it trains mini-batch `mini_batch` of the batch taken now
+        (TRL syncs, and bumps the version, after every `weight_sync_steps`-th optimizer step)."""
+        step, every = self.state.global_step, self.args.weight_sync_steps
+        return self.model_version + (step + mini_batch) // every - step // every
+
+    def _fresh_enough(self, row: PackedRow, version: int, metrics: dict[str, list]) -> PackedRow:
+        """`row` without the samples more than `max_staleness` versions behind `version`; their lags recorded."""
+        if row.sample_versions is None:
+            return row
+        lag = version - row.sample_versions  # (S,)
+        keep = lag <= self.args.max_staleness
+        metrics["lag"] += lag[keep].tolist()
+        metrics["dropped"].append((float((~keep).sum()), float(keep.numel())))
+        return keep_samples(row, keep)
+
+    def _log_lags(self, metrics: dict[str, list]) -> None:
+        """`async/version_lag_*`: the lags of the samples as they are trained (gathered over the ranks); the samples
+        dropped here join `async/dropped_stale_frac` (their pull was counted by the dataset)."""
+        stats = torch.tensor(
+            [sum(metrics["lag"]), float(len(metrics["lag"])), sum(d for d, _ in metrics["dropped"])],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        top = torch.tensor([max(metrics["lag"], default=-1.0)], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats, reduction="sum")
+            top = self.accelerator.reduce(top, reduction="max")
+        lag_sum, lag_count, dropped = stats.tolist()
+        train = self._metrics["train"]
+        if lag_count:
+            train["async/version_lag_mean"].append((lag_sum, lag_count))
+            train["async/version_lag_max"].append(float(top.item()))
+        if dropped:
+            train["async/dropped_stale_frac"].append((dropped, 0.0))
 
     def build_loss_data(self, row: PackedRow) -> dict[str, Any]:
         """The data of one micro-batch given to `rl_loss_config.build`: its loss terms as one packed row `(1, M)`
@@ -352,16 +444,17 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             "num_tokens": row.num_tokens,
         }
         behavior = row.behavior_logprobs.unsqueeze(0)
+        missing = int((~torch.isfinite(behavior)).sum())
+        if missing:
+            raise ValueError(
+                f"the sampler's log-probs of {missing} trained tokens of this micro-batch are missing (non-finite): "
+                "they are π_behavior (rollout IS, the mismatch metrics) or, with behavior_as_old_policy, π_old, and "
+                "the loss layer would drop every such token. Make the rollout worker record them "
+                "(HFGenerateRolloutWorker(record_logprobs=True); vLLM reports them)"
+            )
         if self.args.behavior_as_old_policy:
             data["old_logprobs"] = behavior
         else:
-            if self.rl_loss_config.rollout_is.enabled and not bool(torch.isfinite(behavior).all()):
-                raise ValueError(
-                    "rl_loss.rollout_is needs the sampler's log-probs of every trained token, and this micro-batch "
-                    f"has {int((~torch.isfinite(behavior)).sum())} missing (non-finite): make the rollout worker "
-                    "record them (HFGenerateRolloutWorker(record_logprobs=True); vLLM reports them), or unset "
-                    "rl_loss.rollout_is.upper"
-                )
             data["rollout_logprobs"] = behavior
             old = self._no_grad_logprobs(self.model, row, self._truncation)
             if self._truncation is None:
@@ -384,14 +477,17 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Forwards of packed rows
 
-    def tree_hidden_states(self, unwrapped: nn.Module, row: PackedRow) -> torch.Tensor:
-        """`(1, M, H)`: the backbone's last hidden states at the row's loss terms (`token_index`)."""
+    def tree_hidden_states(self, unwrapped: nn.Module, row: PackedRow, output_router_logits: bool = False):
+        """`(1, M, H)`: the backbone's last hidden states at the row's loss terms (`token_index`); with
+        `output_router_logits`, also the MoE routers' logits over the row's forwarded tokens."""
         backbone = causal_lm(unwrapped).base_model
+        router = {"output_router_logits": True} if output_router_logits else {}
         with self.accelerator.autocast():
-            hidden = backbone(
-                input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **row.tree_kwargs
-            ).last_hidden_state
-        return hidden[:, row.token_index]
+            out = backbone(
+                input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, **router, **row.tree_kwargs
+            )
+        hidden = out.last_hidden_state[:, row.token_index]
+        return (hidden, out.router_logits) if output_router_logits else hidden
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: nn.Module, row: PackedRow, truncation=None) -> torch.Tensor:
@@ -415,7 +511,16 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             return self._no_grad_logprobs(self.model, row)
 
     def _packed_loss(self, unwrapped: nn.Module, ctx: BaseRLLossContext):
-        return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
+        """The micro-batch's `(loss, metrics)`; for an MoE policy whose router loss is trained (`aux_loss_enabled`,
+        as TRL's async trainer) plus `router_aux_loss_coef` × the model's own load-balancing loss over the packed
+        row's forwarded tokens (TRL's `aux_loss` over the same row)."""
+        if not self.aux_loss_enabled:
+            return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
+        hidden, router_logits = self.tree_hidden_states(unwrapped, ctx.packed_row, output_router_logits=True)
+        lm = causal_lm(unwrapped)
+        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, None)
+        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+        return self._add_router_aux_loss(loss, metrics, aux_loss, "train")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL override: the loss layer's loss of this micro-batch, from the context `get_batch_samples` built."""
@@ -445,11 +550,12 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         self._step_samples += forward_tokens / mean_seq_len
 
 
-def _check_worker_logprobs(worker: Any, cfg: BaseRLLossConfig, args: RLLossAsyncGRPOConfig) -> None:
-    """Refuse rollout IS with a worker that says it records no log-probs of its samples."""
-    if cfg.rollout_is.enabled and worker is not None and getattr(worker, "records_logprobs", True) is False:
+def _check_worker_logprobs(worker: Any) -> None:
+    """Refuse a rollout worker that says it records no log-probs of its samples: every objective of this trainer
+    needs them (π_behavior, or π_old under `behavior_as_old_policy`)."""
+    if worker is not None and getattr(worker, "records_logprobs", True) is False:
         raise ValueError(
-            "rl_loss.rollout_is needs the sampler's log-probs, but the rollout worker records none "
-            f"({type(worker).__name__}.records_logprobs is False): set record_logprobs=True on the worker, or unset "
-            "rl_loss.rollout_is.upper"
+            "RLLossAsyncGRPOTrainer needs the sampler's log-probs of every trained token (π_behavior for rollout IS "
+            "and the mismatch metrics, or π_old with behavior_as_old_policy), but the rollout worker records none "
+            f"({type(worker).__name__}.records_logprobs is False): build it with record_logprobs=True"
         )

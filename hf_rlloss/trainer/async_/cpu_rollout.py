@@ -11,15 +11,19 @@ worker drains between two `generate` calls (it loads them then, so a batch is ne
 
 Health: the worker ticks a heartbeat after every batch (and while it waits on a full queue); `check_health` raises,
 naming the cause, when the process died, raised (its traceback is chained), or has not ticked for `stale_after_s`
-seconds; TRL's trainer calls it whenever its queue stays empty for 5 s, so a dead or stalled worker ends training
-with an error, never a hang.
+seconds; TRL's trainer calls it whenever its queue stays empty for 5 s. Samples come through a `SampleChannel`
+(`async_/channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
+weights through `LatestWeights` (only the newest kept). The worker exits within a second when the trainer's process
+dies (it polls its parent's PID), so neither side can hang on, or outlive, the other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
+import threading
 import time
 import traceback
 from collections import deque
@@ -34,6 +38,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.shared_prefill import sharing_prompts
+from .channel import LatestWeights, SampleChannel
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
 
@@ -83,6 +88,7 @@ class _Settings:
     threads: int
     dtype: str
     chat_template_kwargs: dict[str, Any]
+    parent_pid: int = 0  # the trainer's process: the worker exits when it is gone
 
 
 class HFGenerateRolloutWorker:
@@ -168,9 +174,10 @@ class HFGenerateRolloutWorker:
         )
         ctx = mp.get_context("spawn")
         self._ctx = ctx
-        self.rollout_buffer = ctx.Queue(maxsize=args.queue_maxsize)
+        self.rollout_buffer = SampleChannel(ctx, maxsize=args.queue_maxsize)
+        self.rollout_buffer.health = lambda: self._raise_if_dead()
         self.metrics_queue = ctx.Queue(maxsize=4096)
-        self.weights_queue = ctx.Queue()
+        self.weights = LatestWeights(ctx)
         self._model_version = ctx.Value("i", 0)
         self._stop = ctx.Event()
         self._ready = ctx.Event()
@@ -191,14 +198,16 @@ class HFGenerateRolloutWorker:
         if self._process is not None:
             return
         self._heartbeat.value = time.time()
+        self._settings.parent_pid = os.getpid()
         self._process = self._ctx.Process(
             target=_worker_main,
-            args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights_queue, self._stop,
+            args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights, self._stop,
                   self._ready, self._failed, self._errors, self._heartbeat),
             name="hf-generate-rollout-worker",
             daemon=True,
         )  # fmt: skip
         self._process.start()
+        self.rollout_buffer.close_writer()  # the worker holds the write end now: its death is an end of file here
         deadline = time.monotonic() + self._ready_timeout
         while not self._ready.wait(timeout=0.5):
             self._raise_if_dead()
@@ -259,9 +268,9 @@ class QueueWeightTransfer:
     def pause(self) -> None: ...  # the worker swaps weights between two generate calls: nothing to pause
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in iterator}
         # TRL bumps the version right after this transfer: these weights are the policy of the next version
-        self.worker.weights_queue.put((self.worker.model_version + 1, state), timeout=self.timeout_s)
+        health = self.worker._raise_if_dead if self.worker._process is not None else lambda: None
+        self.worker.weights.publish(self.worker.model_version + 1, iterator, health=health)
 
     def resume(self) -> None: ...
 
@@ -272,23 +281,33 @@ class QueueWeightTransfer:
 # The worker process
 
 
-def _worker_main(settings, rollout_buffer, metrics_queue, weights_queue, stop, ready, failed, errors, heartbeat):
+def _exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Leave the process as soon as the trainer that started it is gone (re-parented: `getppid` changes)."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval_s)
+    os._exit(3)
+
+
+def _worker_main(settings, rollout_buffer, metrics_queue, weights, stop, ready, failed, errors, heartbeat):
+    if settings.parent_pid:
+        threading.Thread(target=_exit_with_parent, args=(settings.parent_pid,), daemon=True).start()
     try:
-        _WorkerLoop(settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat).run(ready)
+        _WorkerLoop(settings, rollout_buffer, metrics_queue, weights, stop, heartbeat).run(ready)
     except BaseException:  # report, then leave: the trainer's health check raises with this traceback
-        try:
-            errors.put_nowait(traceback.format_exc())
+        try:  # the tail of the traceback, short enough for one atomic pipe write
+            errors.put_nowait(traceback.format_exc()[-2000:])
         except queue.Full:
             pass
         failed.set()
 
 
 class _WorkerLoop:
-    def __init__(self, settings: _Settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat):
+    def __init__(self, settings: _Settings, rollout_buffer, metrics_queue, weights, stop, heartbeat):
         self.s = settings
-        self.rollout_buffer, self.metrics_queue, self.weights_queue = rollout_buffer, metrics_queue, weights_queue
+        self.rollout_buffer, self.metrics_queue, self.weights = rollout_buffer, metrics_queue, weights
         self.stop, self.heartbeat = stop, heartbeat
         self.pending: deque[tuple[int, dict[str, torch.Tensor]]] = deque()  # received, not yet applied (weight_lag)
+        self.received = 0  # the newest version read from `weights`
         self.version = 0  # the version of the weights the worker samples from (0: not synced yet)
         self.next_prompt = 0
         self.next_group = 0
@@ -315,21 +334,34 @@ class _WorkerLoop:
             self.heartbeat.value = time.time()
 
     def _apply_weights(self, block: bool) -> None:
-        """Take every weight message waiting; load the one `weight_lag` versions behind the newest (the first one at
-        once: nothing older exists, and waiting for later ones would wait on the trainer, which waits on samples)."""
+        """Read the newest weights (a copy of them when `weight_lag` keeps several); load the ones `weight_lag`
+        versions behind the newest (the first at once: nothing older exists, and waiting for later ones would wait on
+        the trainer, which waits on samples). Versions the trainer overwrote before they were read are skipped."""
+        deadline = time.monotonic() + (0.5 if block else 0.0)
         while True:
-            try:
-                self.pending.append(self.weights_queue.get(timeout=0.5 if block else 0.0))
-                block = False
-            except queue.Empty:
+            version = self.weights.read_newer(self.received, self._receive)
+            if version is not None:
+                self.pending[-1] = (version, self.pending[-1][1])
+                self.received = version
                 break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         self.heartbeat.value = time.time()
-        while len(self.pending) > self.s.weight_lag or (self.version == 0 and self.pending):
+        newest = self.pending[-1][0] if self.pending else self.version
+        while len(self.pending) > 1 and self.pending[1][0] <= newest - self.s.weight_lag:
+            self.pending.popleft()  # a newer version is also old enough: this one is never applied
+        while self.pending and (self.pending[0][0] <= newest - self.s.weight_lag or self.version == 0):
             version, state = self.pending.popleft()
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             if unexpected:
                 raise RuntimeError(f"weights the rollout policy does not have: {unexpected[:5]}")
             self.version = version
+
+    def _receive(self, shared: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of the newest weights (called under the weights' lock, which the trainer's next write waits
+        on); its version is filled in by `_apply_weights`."""
+        self.pending.append((0, {name: tensor.clone() for name, tensor in shared.items()}))
 
     def _put(self, sample: RolloutSample) -> None:
         sample.enqueued_at = time.time()
