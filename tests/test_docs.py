@@ -2,6 +2,7 @@
 reference), the README stays a short introduction, and what the pages name exists."""
 
 import ast
+import html as html_lib
 import json
 import os
 import re
@@ -82,7 +83,7 @@ def _check_api_reference(site: Path) -> None:
     assert 'href="../../design/' in pages["trainers"]
     # signatures are wrapped: no line of a rendered signature wider than the page
     for signature in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', html, flags=re.S):
-        text = re.sub(r"<[^>]+>", "", signature)
+        text = html_lib.unescape(re.sub(r"<[^>]+>", "", signature))
         assert max(len(line) for line in text.splitlines()) <= 110, text
 
 
@@ -135,6 +136,7 @@ DEMO = [
     "--config recipes/smollm2_135m/arithmetic/config_demo.yaml",
 ]
 TESTS = ['pip install -e ".[test]"', "python3 -m pytest -q"]  # what .ci/run runs
+CODE_WIDTH = 76  # characters a code box of the site shows at 1280 px without scrolling (Material, default font)
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
@@ -145,8 +147,8 @@ def test_the_quickstart_commands_are_there_in_order_and_fit(page):
         positions = [commands.index(command) for command in sequence]  # ValueError: a command is missing
         assert positions == sorted(positions), f"{page}: {sequence} out of order"
     blocks = re.findall(r"```(?:bash|python)\n(.*?)\n```", text, flags=re.S)
-    long = [line for block in blocks for line in block.splitlines() if len(line) > 119]
-    assert not long, f"{page}: code lines wider than the page: {long}"
+    long = [line for block in blocks for line in block.splitlines() if len(line) > CODE_WIDTH]
+    assert not long, f"{page}: code lines wider than the page's code box: {long}"
 
 
 def test_the_command_reader_joins_continuations_and_drops_comments():
@@ -218,7 +220,8 @@ def test_module_paths_named_in_docs_and_docstrings_exist():
         *DOCS.rglob("*.md"),
         *ROOT.glob("hf_rlloss/**/*.py"),
     ]
-    lazy = {"RLLossGRPOTrainer", "RLLossGRPOConfig"}  # hf_rlloss.__getattr__ imports them on first use
+    # hf_rlloss.__getattr__ imports them on first use
+    lazy = {"RLLossGRPOTrainer", "RLLossGRPOConfig", "RLLossAsyncGRPOTrainer", "RLLossAsyncGRPOConfig"}
     stale = []
     for path in texts:
         text = path.read_text(encoding="utf8")
