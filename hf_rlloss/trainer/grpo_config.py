@@ -25,6 +25,7 @@ from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 from .packing import PACKING_MODES
+from .vllm_rollouts import check_vllm_config
 
 logger = logging.getLogger(__name__)
 
@@ -450,6 +451,7 @@ class RLLossGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
         self.rl_loss_config = self._build_rl_loss_config()
         self._check_rollout_is_backend()
+        check_vllm_config(self, self.rl_loss_config.rollout_is.enabled)
 
     def _check_sequence_parallel(self) -> None:
         """`sp_size > 1`: a multi-process launch it divides, a generation batch it can split, supported options."""

@@ -63,6 +63,7 @@ from .rollout_recording import (
     truncation_replay,
 )
 from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
+from .vllm_rollouts import check_vllm_logprobs_mode, prepare_vllm_engine
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
@@ -213,6 +214,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
+        prepare_vllm_engine(args)  # before TRL builds a colocated engine (see vllm_rollouts.py)
 
         # TRL override: TRL must neither build a reference model (it would reload it from `config._name_or_path`,
         # which fails for in-memory models) nor compute reference log-probs: the KL is the loss layer's.
@@ -238,6 +240,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/trainer/multimodal.py
             raise ValueError(SP_REFUSAL)
         self._setup_loss_layer(args, reference)
+        check_vllm_logprobs_mode(self, self.rl_loss_config.rollout_is.enabled)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -314,7 +317,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         return truncation_replay(
             hf_generate and args.record_rollout_logprobs,
             external,
-            self.generation_config,
+            getattr(self, "generation_config", None),  # TRL builds none with vLLM
             args.rollout_logprobs_support,
             self.rl_loss_config.rollout_is.enabled,
         )

