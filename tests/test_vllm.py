@@ -110,15 +110,19 @@ def test_our_mismatch_metric_is_trls_sampling_logp_difference(colocate_runs):
 
 
 def test_weight_sync_reaches_the_engine(colocate_runs):
-    # After the optimizer steps, vLLM's log-probs of a fixed sequence equal the trainer's to bf16 precision: the
-    # engine computes in bf16 (8 significant bits), so each log-prob (|log p| ≈ log 259 ≈ 5.6 for this model) is off
-    # by a few roundings of 2^-8 × 5.6 ≈ 0.02; 0.1 allows five. The trained model's log-probs moved by far more than
-    # that from the ones on disk, so an engine that kept the initial weights (no sync) fails the first check.
+    # After the optimizer steps, vLLM's log-probs of a fixed sequence equal the trainer's to the sampler's precision:
+    # the engine computes in bf16, so it is held to 4× the error of the trained model evaluated in bf16 by
+    # transformers (two bf16 evaluations round independently; 4× leaves room for vLLM's other kernel order). The
+    # trained log-probs moved from the initial ones by far more than that, so an engine that kept the initial weights
+    # (no sync) fails the check.
     _, ours = colocate_runs
     sync = ours["sync"]
-    assert sync["synced_vs_trainer"] <= 0.1, sync
-    assert sync["trainer_vs_initial"] >= 5 * 0.1, f"training moved the log-probs too little for a sharp check: {sync}"
-    assert sync["engine_vs_initial"] >= 4 * 0.1, sync
+    bound = 4 * sync["bf16_vs_trainer"]
+    assert 0 < sync["synced_vs_trainer"] <= bound, sync
+    assert sync["trainer_vs_initial"] >= 10 * bound, (
+        f"training moved the log-probs too little for a sharp check: {sync}"
+    )
+    assert sync["engine_vs_initial"] > bound, sync
 
 
 def test_rollout_is_from_vllm_logprobs_equals_an_independent_computation(policy_dir, tmp_path):
@@ -139,6 +143,24 @@ def test_rollout_is_from_vllm_logprobs_equals_an_independent_computation(policy_
     for log in run["logs"]:
         assert "rollout_is/mean" in log and "mismatch/kept_mass_mean" in log
         assert 0.0 < log["mismatch/kept_mass_mean"] < 1.0
+
+
+def test_async_trainer_samples_with_the_vllm_worker(policy_dir, tmp_path):
+    # The worker's engine computes in float32 like the trainer (ASYNC_ARGS' dtype): a sample from the trainer's
+    # current weights (version lag 0) has log-probs equal to π_old up to float32 kernel differences (about 1e-6 per
+    # token for this model; 1e-3 allows a thousand times that). One Adam step (lr 1e-2) moves them by far more, so a
+    # sample from weights that never reached the engine would fail it.
+    _require_vllm()
+    run = _run("async", policy_dir, tmp_path)
+    logs = run["logs"]
+    assert len(logs) == 3
+    for log in logs:
+        assert "mismatch/mismatch_logprob_abs_diff" in log and "rollout_is/mean" in log
+    # after the first step the trainer has sent its weights (weight_sync_steps=1): lag 0 there means synced weights
+    synced = [log for log in logs[1:] if log["async/version_lag_max"] == 0.0]
+    assert synced, f"no step after the first trained on samples of the synced weights: {logs}"
+    for log in [logs[0], *synced]:
+        assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-3, log
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ trainer with the vLLM rollout worker). MODEL_DIR is a tiny policy saved by `test
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -37,8 +38,7 @@ ARGS = dict(
     activation_checkpointing=False,
     logging_steps=1,
     save_strategy="no",
-    learning_rate=3e-2,  # large, so that a step changes the log-probs well beyond vLLM's bf16 rounding
-    optim="sgd",
+    learning_rate=1e-2,  # large (Adam), so that a step changes the log-probs well beyond vLLM's bf16 rounding
     disable_tqdm=True,
     seed=0,
     dataloader_num_workers=0,
@@ -81,7 +81,10 @@ def weight_sync_check(trainer, initial_dir: str) -> dict:
     engine = _vllm_logprobs(llm, ids)
     trained = _trainer_logprobs(model, ids, 1.0)
     initial = _trainer_logprobs(AutoModelForCausalLM.from_pretrained(initial_dir, dtype=torch.float32), ids, 1.0)
+    # the sampler's precision: the same trained weights evaluated in bf16, as vLLM does on CPU
+    bf16 = _trainer_logprobs(copy.deepcopy(model).to(torch.bfloat16), ids, 1.0)
     return {
+        "bf16_vs_trainer": (bf16 - trained).abs().max().item(),
         "synced_vs_trainer": (engine - trained).abs().max().item(),
         "trainer_vs_initial": (trained - initial).abs().max().item(),
         "engine_vs_initial": (engine - initial).abs().max().item(),
@@ -148,7 +151,31 @@ def run_is(model_dir: str, out_dir: str) -> dict:
     return {"logs": _logs(trainer), "records": records}
 
 
-CASES = {"trl": run_trl, "ours": run_ours, "is": run_is}
+def run_async(model_dir: str, out_dir: str) -> dict:
+    """`RLLossAsyncGRPOTrainer` with `VLLMRolloutWorker` (float32 engine, as the trainer: `ASYNC_ARGS`' dtype), rollout
+    IS on; then stock TRL's `AsyncGRPOTrainer` with the same worker (its keys are compared)."""
+    from _async import ASYNC_ARGS
+    from transformers import AutoTokenizer
+
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
+    from hf_rlloss.trainer.async_cpu import QueueWeightTransfer
+    from hf_rlloss.trainer.vllm_worker import VLLMRolloutWorker
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rewards = [reward_length, reward_digit]
+    options = {**ASYNC_ARGS, "max_staleness": 1, "learning_rate": 1e-2, "max_steps": STEPS}
+    args = RLLossAsyncGRPOConfig(
+        output_dir=out_dir, queue_maxsize=4, heartbeat_stale_after_s=300, **options,
+        rl_loss={"rollout_is": {"level": "token", "upper": 2.0}},
+    )  # fmt: skip
+    worker = VLLMRolloutWorker(model_dir, make_dataset(), rewards, tok, args, max_model_len=128)
+    trainer = RLLossAsyncGRPOTrainer(model_dir, rewards, args, make_dataset(), tok, rollout_worker=worker,
+                                     weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
+    trainer.train()
+    return {"logs": _logs(trainer)}
+
+
+CASES = {"trl": run_trl, "ours": run_ours, "is": run_is, "async": run_async}
 
 if __name__ == "__main__":
     case, model_dir, out = sys.argv[1:4]

@@ -268,7 +268,8 @@ class QueueWeightTransfer:
 
 def _worker_main(settings, rollout_buffer, metrics_queue, weights_queue, stop, ready, failed, errors, heartbeat):
     try:
-        _WorkerLoop(settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat).run(ready)
+        loop = getattr(settings, "loop_class", _WorkerLoop)  # vllm_worker.VLLMRolloutWorker sets its own
+        loop(settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat).run(ready)
     except BaseException:  # report, then leave: the trainer's health check raises with this traceback
         try:
             errors.put_nowait(traceback.format_exc())
