@@ -91,10 +91,12 @@ def test_colocate_trains_like_stock_trl_with_the_same_metrics(colocate_runs):
     assert ours["packing"] == "shared_prefix"
     # vLLM samples in bf16 while the trainer scores in float32: a real mismatch, never 0
     assert all(log["mismatch/mismatch_logprob_abs_diff"] > 1e-4 for log in our_logs)
-    # the first step: same engine, seed, weights and prompts, so the same completions and the same mismatch
+    # the first step: same engine, seed, weights and prompts, so the same completions and the same mismatch, up to
+    # the float32 rounding of π_old (ours from the chunked hidden-state path, TRL's from its fused head): a few ulps
+    # of |log p| ≈ 5.6 (ulp 4.8e-7), so 2e-6 absolute
     first_trl, first_ours = trl_logs[0], our_logs[0]
     assert first_ours["sampling/sampling_logp_difference/mean"] == pytest.approx(
-        first_trl["sampling/sampling_logp_difference/mean"], rel=1e-5
+        first_trl["sampling/sampling_logp_difference/mean"], abs=2e-6
     )
     assert first_ours["num_tokens"] == first_trl["num_tokens"]
 

@@ -10,6 +10,8 @@
 - `engines`: DeepSpeed/FSDP2 helpers (gathering the head, preparing the reference model).
 - `rollout_recording`: the log-probs of sampled tokens recorded during HF `generate`.
 - `multimodal`: TRL's vision-language inputs.
+- `vllm_rollouts`, `vllm_cpu`, `vllm_worker`: vLLM rollouts (checks around TRL's engine, vLLM's CPU build made
+  reloadable, the async trainer's vLLM rollout process).
 - `sp_batch`: the sequence-parallel micro-batches (pooling, shared shuffle, packing). It is about sequence
   parallelism, but it pads each loss field with the value the loss layer's field table gives, so it imports the
   loss layer and lives above it.
@@ -18,8 +20,12 @@ The layer imports TRL; it sits on the loss layer (`hf_rlloss.loss`) and the para
 (`hf_rlloss.parallel`), and of the recipe support only the Hub card helper.
 """
 
-from .grpo_config import RLLossGRPOConfig
-from .grpo_trainer import RLLossGRPOTrainer
+from .vllm_cpu import silence_trl_vllm_version_warning
+
+silence_trl_vllm_version_warning()  # before TRL is imported: it warns at import when vLLM 0.32 is installed
+
+from .grpo_config import RLLossGRPOConfig  # noqa: E402
+from .grpo_trainer import RLLossGRPOTrainer  # noqa: E402
 
 _ASYNC = {"RLLossAsyncGRPOConfig": "async_grpo_config", "RLLossAsyncGRPOTrainer": "async_grpo_trainer"}
 
