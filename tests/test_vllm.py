@@ -217,3 +217,47 @@ def test_an_engine_without_processed_logprobs_is_refused_for_rollout_is(vllm_mod
         check_vllm_logprobs_mode(trainer("raw_logprobs"), rollout_is_enabled=True)
     check_vllm_logprobs_mode(trainer("raw_logprobs"), rollout_is_enabled=False)  # metrics only: a warning
     check_vllm_logprobs_mode(trainer("processed_logprobs"), rollout_is_enabled=True)
+
+
+def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
+    from _async import ASYNC_ARGS
+    from _trainer_utils import make_dataset
+
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+    from hf_rlloss.trainer.vllm_worker import VLLMRolloutWorker
+
+    tok = make_tokenizer()
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), top_k=5, **ASYNC_ARGS)
+    with pytest.raises(ValueError, match=r"rollout_logprobs_support='full' with VLLMRolloutWorker .*'sampled'"):
+        VLLMRolloutWorker("unused-path", make_dataset(), [], tok, args)
+    sampled = RLLossAsyncGRPOConfig(
+        output_dir=str(tmp_path), top_k=5, rollout_logprobs_support="sampled", **ASYNC_ARGS
+    )
+    worker = VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled)
+    assert worker._settings.loop_class.__name__ == "_VLLMWorkerLoop"  # what the spawned process runs
+
+
+def test_the_cpu_shim_keeps_plain_weights_for_linear_layers_only():
+    # vLLM's CPU dispatch packs the weight and empties the parameter; the shim keeps the parameter and computes
+    # with F.linear (so load_weights reaches what the layer computes with), and leaves non-2-D weights to vLLM.
+    from hf_rlloss.trainer.vllm_cpu import _reloadable
+
+    calls = []
+
+    def vllm_dispatch(layer, remove_weight):
+        calls.append(layer)
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    dispatch = _reloadable(vllm_dispatch)
+    linear = torch.nn.Linear(4, 3)
+    weight = linear.weight
+    dispatch(linear, True)
+    assert linear.weight is weight and not calls
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(3, 4))  # a reload: the next call computes with the new weight
+    torch.testing.assert_close(linear.cpu_linear(x, linear.weight, linear.bias), x @ linear.weight.T + linear.bias)
+    conv = torch.nn.Module()
+    conv.weight = torch.nn.Parameter(torch.randn(8, 1, 4))
+    dispatch(conv, False)
+    assert calls == [conv]
