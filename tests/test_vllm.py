@@ -158,10 +158,10 @@ def test_async_trainer_samples_with_the_vllm_worker(policy_dir, tmp_path):
     assert len(logs) == 3
     for log in logs:
         assert "mismatch/mismatch_logprob_abs_diff" in log and "rollout_is/mean" in log
-    # after the first step the trainer has sent its weights (weight_sync_steps=1): lag 0 there means synced weights
-    synced = [log for log in logs[1:] if log["async/version_lag_max"] == 0.0]
-    assert synced, f"no step after the first trained on samples of the synced weights: {logs}"
-    for log in [logs[0], *synced]:
+    # max_staleness=0: every step trains on samples of the trainer's current weights; from step 2 on these are
+    # weights sent through the queue after an optimizer step (an Adam step moves the log-probs by about 0.2 here)
+    assert all(log["async/version_lag_max"] == 0.0 for log in logs)
+    for log in logs:
         assert log["mismatch/mismatch_logprob_abs_diff"] <= 1e-3, log
 
 

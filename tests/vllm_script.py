@@ -171,7 +171,9 @@ def run_async(model_dir: str, out_dir: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rewards = [reward_length, reward_digit]
-    options = {**ASYNC_ARGS, "max_staleness": 1, "learning_rate": 1e-2, "max_steps": STEPS}
+    # max_staleness=0: every trained sample comes from the trainer's current weights, so from steps 2 on from weights
+    # that reached the engine through the queue
+    options = {**ASYNC_ARGS, "max_staleness": 0, "learning_rate": 1e-2, "max_steps": STEPS}
     args = RLLossAsyncGRPOConfig(
         output_dir=out_dir, queue_maxsize=4, heartbeat_stale_after_s=300, **options,
         rl_loss={"rollout_is": {"level": "token", "upper": 2.0}},
