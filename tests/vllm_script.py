@@ -171,9 +171,7 @@ def run_async(model_dir: str, out_dir: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rewards = [reward_length, reward_digit]
-    # max_staleness=0: every trained sample comes from the trainer's current weights, so from steps 2 on from weights
-    # that reached the engine through the queue
-    options = {**ASYNC_ARGS, "max_staleness": 0, "learning_rate": 1e-2, "max_steps": STEPS}
+    options = {**ASYNC_ARGS, "max_staleness": 1, "learning_rate": 1e-2, "max_steps": STEPS}
     args = RLLossAsyncGRPOConfig(
         output_dir=out_dir, queue_maxsize=4, heartbeat_stale_after_s=300, **options,
         rl_loss={"rollout_is": {"level": "token", "upper": 2.0}},
@@ -182,7 +180,36 @@ def run_async(model_dir: str, out_dir: str) -> dict:
     trainer = RLLossAsyncGRPOTrainer(model_dir, rewards, args, make_dataset(), tok, rollout_worker=worker,
                                      weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
     trainer.train()
-    return {"logs": _logs(trainer)}
+    state = {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+    return {"logs": _logs(trainer), "reload": worker_reload_check(worker, model_dir, state)}
+
+
+def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
+    """The worker's engine loop, run here once training is over: its engine's log-probs of a fixed sequence before
+    and after the trained weights arrive the way `QueueWeightTransfer` sends them, against transformers' (float32)."""
+    import queue
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rlloss.trainer.vllm_worker import _VLLMWorkerLoop
+
+    loop = _VLLMWorkerLoop(worker._settings, None, None, queue.Queue(), None, SimpleNamespace(value=0.0))
+    loop.load()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("Q03: add 3+3 = 6 and then 7", add_special_tokens=False)["input_ids"]
+    before = _vllm_logprobs(loop.llm, ids)
+    loop.weights_queue.put((1, state))
+    loop._apply_weights(block=False)
+    after = _vllm_logprobs(loop.llm, ids)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(state)
+    trained = _trainer_logprobs(model.eval(), ids, 1.0)
+    return {
+        "version": loop.version,
+        "loaded_vs_trained": (after - trained).abs().max().item(),
+        "initial_vs_trained": (before - trained).abs().max().item(),
+    }
 
 
 CASES = {"trl": run_trl, "ours": run_ours, "is": run_is, "async": run_async}
