@@ -50,7 +50,7 @@ def worker(cli) -> None:
         sp_shard_inputs,
         ulysses_sequence_parallel,
     )
-    from hf_rlloss.trainer.sp_batch import pack_rows
+    from hf_rlloss.trainer.common.packing import pack_rows
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

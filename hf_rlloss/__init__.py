@@ -5,6 +5,8 @@ Ulysses attention) ← `hf_rlloss.loss` (config, context and the loss terms; no 
 subclass). `hf_rlloss.recipe_support` serves the recipes. The public names are importable from here.
 """
 
+from typing import TYPE_CHECKING
+
 from .loss import (
     AGG_MODES,
     KL_TYPES,
@@ -35,7 +37,13 @@ from .loss import (
 )
 from .parallel import sp_gather, sp_split
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # imported on first use (`__getattr__`); named here for type checkers and the API reference
+    from .trainer.async_grpo_config import RLLossAsyncGRPOConfig
+    from .trainer.async_grpo_trainer import RLLossAsyncGRPOTrainer
+    from .trainer.grpo_config import RLLossGRPOConfig
+    from .trainer.grpo_trainer import RLLossGRPOTrainer
+
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

@@ -29,7 +29,7 @@ from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCa
 from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
-from hf_rlloss.trainer.checkpoints import latest_complete_checkpoint
+from hf_rlloss.trainer.sync.checkpoints import latest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 

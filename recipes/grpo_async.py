@@ -69,7 +69,7 @@ def build_rollout(script_args, training_args, model_path, dataset, reward_funcs,
     """The rollout worker and weight transfer: `None, None` for TRL's vLLM worker, else the CPU pair."""
     if script_args.vllm:
         return None, None
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     worker = HFGenerateRolloutWorker(
         model_path, dataset, reward_funcs, tokenizer, training_args,

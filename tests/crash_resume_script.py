@@ -6,7 +6,7 @@ newest complete checkpoint of its output folder, optionally killed (SIGKILL) at 
 Completions are sampled by `generate` from the model itself, so the run depends on every rank's RNG state: a resume
 that restored the wrong state (or none) would diverge. `--kill-step N` kills rank R during optimizer step N, after
 its first micro-batch's backward; a kill during a save is set with `HF_RLLOSS_TEST_FAULT=save:<step>:<rank>`
-(`hf_rlloss.trainer.checkpoints`). A run that finishes writes `result.pt` (rank 0): its step logs and parameters.
+(`hf_rlloss.trainer.sync.checkpoints`). A run that finishes writes `result.pt` (rank 0): its step logs and parameters.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
 from hf_rlloss.parallel.sequence import destroy_process_groups  # noqa: E402
-from hf_rlloss.trainer.checkpoints import FAULT_ENV, list_checkpoints  # noqa: E402
+from hf_rlloss.trainer.sync.checkpoints import FAULT_ENV, list_checkpoints  # noqa: E402
 
 MAX_STEPS = 4
 

@@ -55,7 +55,7 @@ from _trainer_utils import (  # noqa: E402
     reward_length,
 )
 
-import hf_rlloss.trainer.forwards as trainer_module  # noqa: E402
+import hf_rlloss.trainer.common.forwards as trainer_module  # noqa: E402
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
 
 

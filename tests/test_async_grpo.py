@@ -218,7 +218,7 @@ def test_cpu_worker_and_queue_transfer_train(policy, tok, tmp_path):
     worker (its later samples come from later versions)."""
     from _trainer_utils import make_dataset, reward_digit, reward_length
 
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=2, queue_maxsize=4, heartbeat_stale_after_s=120,
@@ -251,7 +251,7 @@ def _exits_at_once(worker):
 def test_dead_or_stalled_worker_is_reported(policy, tok, tmp_path):
     from _trainer_utils import make_dataset
 
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
@@ -273,7 +273,7 @@ def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
     """TRL's queue polls every 5 s and then asks the worker's health: the trainer raises instead of waiting."""
     from _trainer_utils import make_dataset
 
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
@@ -290,7 +290,7 @@ def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
     "option, value", [("vllm_server_base_url", "http://gpu:8000"), ("max_tool_calling_iterations", 3)]
 )
 def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option, value):
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{option: value})
     with pytest.raises(ValueError, match=f"{option}=.* configures TRL's vLLM rollout worker"):
@@ -298,7 +298,7 @@ def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option
 
 
 def test_rollout_is_with_a_worker_recording_no_logprobs_is_refused(policy, tok, tmp_path):
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss={"rollout_is": {"upper": 2.0}}, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, record_logprobs=False)
@@ -339,7 +339,7 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
     from _trainer_utils import make_dataset, reward_length
     from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.8, top_k=5, top_p=0.9,
                                  rollout_logprobs_support=support, **ASYNC_ARGS)  # fmt: skip
@@ -372,7 +372,7 @@ def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(polic
     import queue as queues
     import types
 
-    from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_rlloss.trainer.checkpoints import (
+from hf_rlloss.trainer.sync.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     checkpoint_problem,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_rlloss.recipe_support.callbacks import CURVES, SMOOTHED, moving_average, plot_curves
+from hf_rlloss.recipe_support.callbacks import CURVES, SMOOTHED, logged_panels, moving_average, plot_curves
 
 
 def test_moving_average_is_trailing():
@@ -23,3 +23,15 @@ def test_panels_plot_what_moves_and_a_non_negative_mismatch(tmp_path):
     ]
     path = plot_curves(history, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 10_000 and path.endswith("curves.png")
+
+
+def test_a_panel_nobody_logs_is_left_out(tmp_path):
+    """The asynchronous trainer logs no completion length: its plot has three panels, none of them empty."""
+    history = [
+        {"step": s, "reward": 0.1 * s, "train_policy/kl3": 0.01, "completions/mean_length": float("nan")}
+        for s in (1, 2)
+    ]
+    assert list(logged_panels(history)) == ["reward", "KL to reference / old policy"]
+    history[0]["mismatch/mismatch_logprob_abs_diff"] = 0.02
+    assert len(logged_panels(history)) == 3
+    assert plot_curves(history, str(tmp_path / "three.png")) and (tmp_path / "three.png").stat().st_size > 10_000

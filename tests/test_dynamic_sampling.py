@@ -20,7 +20,7 @@ from _trainer_utils import (
 )
 
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer.dynamic_sampling import (
+from hf_rlloss.trainer.sync.dynamic_sampling import (
     RefillPrompts,
     balanced_sizes,
     concat_rows,

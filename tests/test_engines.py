@@ -243,7 +243,7 @@ def test_zero3_partitioned_policy_without_zero3_config_is_rejected():
     built sharded, and the error names the alternative."""
     from _models import tiny_qwen2
 
-    from hf_rlloss.trainer.engines import zero3_sharded_copy
+    from hf_rlloss.trainer.common.engines import zero3_sharded_copy
 
     model = tiny_qwen2()
     for param in model.parameters():

@@ -1,17 +1,21 @@
 """The package's three layers and their import direction: parallel ← loss ← trainer ← recipe_support / recipes.
 
 Each layer imports only the layers below it, and nothing below `trainer/` imports TRL. The top-level `__init__`
-imports the trainer lazily (inside `__getattr__`), so the loss layer can be used without TRL.
+imports the trainer lazily (inside `__getattr__`), so the loss layer can be used without TRL. Inside `trainer/`, the
+two config/trainer pairs sit at the top, their parts in `sync/` and `async_/`, and what both use in `common/`, which
+imports neither. No module imports itself back through others, and `docs/layout.md` names every module.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_rlloss"
+LAYOUT_PAGE = PACKAGE.parent / "docs" / "layout.md"
 # Layers from the bottom up; a module of layer i may import hf_rlloss modules of layers < i only (and its own).
 LAYERS = ["parallel", "loss", "trainer", "recipe_support"]
 # The trainer completes TRL's model card for the Hub: the one thing of the support package on the training path.
@@ -42,7 +46,12 @@ def _within(name: str, modules: set[str]) -> bool:
 
 
 def _layer_files(layer: str) -> list[Path]:
-    return sorted((PACKAGE / layer).glob("*.py"))
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def test_the_layers_are_subpackages_and_nothing_else_sits_at_the_top():
@@ -51,6 +60,106 @@ def test_the_layers_are_subpackages_and_nothing_else_sits_at_the_top():
     for layer in LAYERS:
         assert (PACKAGE / layer / "__init__.py").is_file()
     assert {"config.py", "context.py"} <= {p.name for p in _layer_files("loss")}  # the glob sees the package
+    assert PACKAGE / "trainer" / "common" / "forwards.py" in _layer_files("trainer")  # and the subpackages
+
+
+# The trainer layer: the two TRL-style config/trainer pairs at its top, their parts below them.
+TRAINER_ENTRY_POINTS = {
+    "__init__.py",
+    "grpo_config.py",
+    "grpo_trainer.py",
+    "async_grpo_config.py",
+    "async_grpo_trainer.py",
+}
+TRAINER_PARTS = {"common": set(), "sync": {"common"}, "async_": {"common"}}  # each part: the parts it may import
+
+
+def test_the_trainer_is_two_config_trainer_pairs_and_their_parts():
+    trainer = PACKAGE / "trainer"
+    assert {p.name for p in trainer.glob("*.py")} == TRAINER_ENTRY_POINTS
+    assert {p.name for p in trainer.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(TRAINER_PARTS)
+    for part in TRAINER_PARTS:
+        assert (trainer / part / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("part", sorted(TRAINER_PARTS))
+def test_a_trainer_part_imports_no_trainer_and_no_other_part(part):
+    """`common/` is what both trainers share, so it imports neither's parts; no part imports a trainer module."""
+    entry_points = {f"hf_rlloss.trainer.{p.removesuffix('.py')}" for p in TRAINER_ENTRY_POINTS - {"__init__.py"}}
+    others = {f"hf_rlloss.trainer.{p}" for p in set(TRAINER_PARTS) - TRAINER_PARTS[part] - {part}}
+    for path in sorted((PACKAGE / "trainer" / part).glob("*.py")):
+        names = _imported_modules(path)
+        wrong = {n for n in names if _within(n, others | entry_points) or n in ("hf_rlloss.trainer", "hf_rlloss")}
+        assert not wrong, f"trainer/{part}/{path.name} imports {sorted(wrong)}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module → the package's modules it imports (anywhere in the file, type-checking imports too), packages'
+    `__init__` left out: a package importing its own modules is not a cycle."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for imported in _imported_modules(path):
+            while imported and imported not in files:  # `pkg.module.Name` → `pkg.module`
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (depth-first search), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    assert "hf_rlloss.trainer.common.packing" in graph and graph["hf_rlloss.trainer.grpo_trainer"]  # the scan works
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_search_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def _modules_missing_from_layout(text: str) -> list[str]:
+    files = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+    return [str(p.relative_to(PACKAGE.parent)) for p in files if f"`{p.relative_to(PACKAGE.parent)}`" not in text]
+
+
+def test_the_layout_page_names_every_module_and_only_existing_ones():
+    text = LAYOUT_PAGE.read_text()
+    assert not _modules_missing_from_layout(text), f"docs/layout.md lacks {_modules_missing_from_layout(text)}"
+    named = set(re.findall(r"`(hf_rlloss/[\w/]+(?:\.py|/))`", text))
+    assert len(named) > 30  # the pattern reads the page's paths
+    stale = sorted(n for n in named if not (PACKAGE.parent / n).exists())
+    assert not stale, f"docs/layout.md names modules that do not exist: {stale}"
+
+
+def test_a_module_missing_from_the_layout_page_is_caught():
+    text = LAYOUT_PAGE.read_text().replace("`hf_rlloss/loss/kl.py`", "`kl.py`")
+    assert _modules_missing_from_layout(text) == ["hf_rlloss/loss/kl.py"]
 
 
 @pytest.mark.parametrize("layer", LAYERS)

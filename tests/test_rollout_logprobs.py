@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from hf_rlloss.loss.chunked_logprobs import chunked_kept_logmass
-from hf_rlloss.trainer.rollout_recording import SampledTokenLogprobs
+from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs
 
 TRUNCATIONS = {
     "none": [],

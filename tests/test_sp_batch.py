@@ -7,9 +7,9 @@ import torch
 from _dist import run_distributed
 
 from hf_rlloss.parallel.sequence import build_sp_mesh, sp_split
-from hf_rlloss.trainer import sp_batch
-from hf_rlloss.trainer.packing import _BUILDERS
-from hf_rlloss.trainer.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
+from hf_rlloss.trainer.common import sp_batch
+from hf_rlloss.trainer.common.packing import _BUILDERS
+from hf_rlloss.trainer.common.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
 
 PAD, IGNORE = 0, -100
 

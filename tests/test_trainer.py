@@ -539,7 +539,7 @@ BEAM_SAMPLE = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty":
 
 def test_beam_search_trains_without_rollout_logprobs(tok, tmp_path, monkeypatch):
     """No sampling distribution under beam search: nothing is recorded, the log says so once, training runs."""
-    import hf_rlloss.trainer.grpo_trainer as trainer_module
+    import hf_rlloss.trainer.sync.old_logprobs as trainer_module
 
     said = []
     monkeypatch.setattr(trainer_module.logger, "warning_once", lambda message: said.append(message))

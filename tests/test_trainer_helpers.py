@@ -7,14 +7,14 @@ import torch
 from transformers import GenerationConfig, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_rlloss.parallel.sequence import on_first_sp_rank
-from hf_rlloss.trainer.engines import head_operands
-from hf_rlloss.trainer.grpo_trainer import _adapted_entropy_coef, _trl_is_ratio_per_token
-from hf_rlloss.trainer.rollout_recording import (
+from hf_rlloss.trainer.common.engines import head_operands
+from hf_rlloss.trainer.common.rollout_recording import (
     kept_logmass_batch,
     replay_warpers,
     truncation_replay,
     unreplayable_truncation,
 )
+from hf_rlloss.trainer.grpo_trainer import _adapted_entropy_coef, _trl_is_ratio_per_token
 
 
 def test_replay_warpers_in_generate_order_and_none_without_truncation():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_rlloss.trainer import RLLossGRPOConfig
-from hf_rlloss.trainer.sp_batch import pack_rows
+from hf_rlloss.trainer.common.packing import pack_rows
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _trainer_utils import BASE_ARGS, make_tokenizer, special_token_ids
 
-from hf_rlloss.trainer.vllm_cpu import is_vllm_importable
+from hf_rlloss.trainer.common.vllm_cpu import is_vllm_importable
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 600
@@ -205,7 +205,7 @@ def test_both_corrections_at_once_are_refused(tmp_path):
 
 @pytest.mark.parametrize("vllm_mode", ["colocate", "server"])
 def test_an_engine_without_processed_logprobs_is_refused_for_rollout_is(vllm_mode):
-    from hf_rlloss.trainer.vllm_rollouts import check_vllm_logprobs_mode
+    from hf_rlloss.trainer.sync.vllm import check_vllm_logprobs_mode
 
     def trainer(mode):
         model_config = SimpleNamespace(logprobs_mode=mode)
@@ -227,7 +227,7 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
     from _trainer_utils import make_dataset
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.vllm_worker import VLLMRolloutWorker
+    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
 
     tok = make_tokenizer()
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), top_k=5, **ASYNC_ARGS)
@@ -243,7 +243,7 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
 def test_the_cpu_shim_keeps_plain_weights_for_linear_layers_only():
     # vLLM's CPU dispatch packs the weight and empties the parameter; the shim keeps the parameter and computes
     # with F.linear (so load_weights reaches what the layer computes with), and leaves non-2-D weights to vLLM.
-    from hf_rlloss.trainer.vllm_cpu import _reloadable
+    from hf_rlloss.trainer.common.vllm_cpu import _reloadable
 
     calls = []
 

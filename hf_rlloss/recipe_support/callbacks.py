@@ -72,15 +72,29 @@ class MetricsPlotCallback(TrainerCallback):
             self.on_train_end(args, state, control, **kwargs)
 
 
+def logged_panels(history: list[dict]) -> dict[str, tuple[str, ...]]:
+    """The `CURVES` panels at least one record of `history` has a finite value for (a trainer that does not log a
+    panel's keys, e.g. the asynchronous one's completion length, gets no empty panel)."""
+    return {
+        title: keys
+        for title, keys in CURVES.items()
+        if any(key in r and math.isfinite(r[key]) for r in history for key in keys)
+    }
+
+
 def plot_curves(history: list[dict], path: str) -> str:
-    """Plot the `CURVES` panels of a list of logged records (with a ``step`` key) to a PNG at `path`."""
+    """Plot the logged `CURVES` panels (`logged_panels`) of records with a ``step`` key to a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, keys) in zip(axes.flat, CURVES.items()):
+    panels = logged_panels(history) or {"reward": CURVES["reward"]}
+    rows = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(10, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)  # an odd number of panels: the last cell stays blank
+    for ax, (title, keys) in zip(axes.flat, panels.items()):
         for key in keys:
             points = [(r["step"], r[key]) for r in history if key in r and math.isfinite(r[key])]
             if points:
@@ -99,8 +113,6 @@ def plot_curves(history: list[dict], path: str) -> str:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

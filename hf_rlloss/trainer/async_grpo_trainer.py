@@ -36,18 +36,18 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, RolloutQueueDataset
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.models.utils import _ForwardRedirection
-from trl.trainer.utils import create_model_from_path, use_adapter
+from trl.trainer.utils import use_adapter
 
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.tree_attention import register_tree_attention
 from .async_grpo_config import RLLossAsyncGRPOConfig
-from .engines import activation_checkpointing_disabled, prepare_reference, reference_source
-from .forwards import LossLayerForwards
-from .grpo_trainer import _overridden
-from .lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
-from .rollout_recording import replay_warpers
+from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
+from .common.forwards import LossLayerForwards
+from .common.lm_head import causal_lm, check_model_supported, logit_scale, with_model_softcapping
+from .common.overrides import overridden
+from .common.rollout_recording import replay_warpers
 
 __all__ = [
     "PackedRow",
@@ -92,7 +92,7 @@ def portable_async_trl(device_type: str = "cpu") -> Iterator[None]:
     if device_type == "cuda":
         yield
         return
-    with _overridden(
+    with overridden(
         trl_async,
         register_tree_attention=lambda: register_tree_attention(TREE_ATTENTION),
         get_peak_flops_per_device=lambda accelerator, dtype: None,
@@ -205,7 +205,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
 
     ```python
     >>> from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    >>> from hf_rlloss.trainer.async_cpu import HFGenerateRolloutWorker, QueueWeightTransfer
+    >>> from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     >>> args = RLLossAsyncGRPOConfig("out", use_cpu=True, bf16=False, max_staleness=2, token_budget=512,
     ...                              rl_loss={"rollout_is": {"level": "token", "upper": 2.0}})
@@ -218,9 +218,10 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
     Args:
         model (`str`): the policy's path or Hub id (TRL's async trainer loads it itself, with tree attention).
         args ([`RLLossAsyncGRPOConfig`], *optional*): the training arguments, with the `rl_loss` block.
-        **others** (*optional*): `reward_funcs`, `train_dataset`, `processing_class`, `callbacks`, `optimizers`,
-            `peft_config`, `tools`, `environment_factory`, `rollout_worker`, `weight_transfer`: as in TRL's
-            `AsyncGRPOTrainer`.
+        reward_funcs, train_dataset, processing_class, callbacks, optimizers (*optional*):
+            As in TRL's `AsyncGRPOTrainer`.
+        peft_config, tools, environment_factory, rollout_worker, weight_transfer (*optional*):
+            As in TRL's `AsyncGRPOTrainer`.
         ref_model (`str` or [`~transformers.PreTrainedModel`], *optional*): the reference of
             `rl_loss.use_kl_loss`; defaults to the model loaded again from `model` (the base model under PEFT).
     """
@@ -290,10 +291,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         if source is None or source == "adapter":
             return None
         if isinstance(source, str):
-            init_kwargs = dict(self.args.model_init_kwargs or {})
-            init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-            init_kwargs.setdefault("dtype", self.args.dtype)
-            source = create_model_from_path(source, device_map=None, **init_kwargs)
+            source = load_reference(source, self.args, {"dtype": self.args.dtype}, {"device_map": None})
         causal_lm(source).set_attn_implementation(self._attn_implementation)
         check_model_supported(source, self.rl_loss_config.logit_softcapping)
         return prepare_reference(source, self)
@@ -304,7 +302,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
     def get_train_dataloader(self):
         """TRL's dataloader, its dataset and collator swapped for the versioned ones (same samples, same rows)."""
         collator = functools.partial(_VersionedCollator, model_version_fn=lambda: self.model_version)
-        with _overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=collator):
+        with overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=collator):
             return super().get_train_dataloader()
 
     # ------------------------------------------------------------------------------------------------------------

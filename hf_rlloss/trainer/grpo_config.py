@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
-from .packing import PACKING_MODES
-from .vllm_rollouts import check_vllm_config
+from .common.packing import PACKING_MODES
+from .sync.vllm import check_vllm_config
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class RLLossGRPOConfig(GRPOConfig):
         skip_nonfinite_grad_steps (`int`, *optional*, defaults to `0`):
             `0`: off. `N > 0`: an optimizer step whose gradient norm is not finite is skipped (parameters, optimizer
             state and learning-rate schedule unchanged; `nonfinite_grad_skipped` logged), and the `N + 1`-th
-            consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.nonfinite_guard`). Not under
+            consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.sync.nonfinite_guard`). Not under
             DeepSpeed.
 
         packing (`str`, *optional*, defaults to `"shared_prefix"`):

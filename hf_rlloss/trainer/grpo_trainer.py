@@ -7,92 +7,47 @@ described in `docs/design.md`.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import warnings
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from huggingface_hub import ModelCard
 from torch import nn
-from torch.distributed.fsdp import StateDictType
-from transformers import LogitsProcessorList, PreTrainedModel
-from transformers.generation.configuration_utils import GenerationMode
+from transformers import PreTrainedModel
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.callbacks import SyncRefModelCallback
-from trl.trainer.utils import (
-    create_model_from_path,
-    split_tensor_dict,
-)
 
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.fields import FROM_TRL
 from ..loss.metrics import finalize_step_metrics
 from ..parallel.packed_attention import use_packed_attention
-from ..parallel.sequence import build_sp_mesh
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
-from ..recipe_support.hub import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
-from .checkpoints import CompleteCheckpoints
-from .dynamic_sampling import DynamicSampling
-from .engines import (
-    activation_checkpointing_disabled,
-    prepare_reference,
-    reference_source,
-)
-from .forwards import LossLayerForwards, prompt_and_completion
-from .grpo_config import RLLossGRPOConfig
-from .lm_head import (
+from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
+from .common.forwards import LossLayerForwards
+from .common.lm_head import (
     causal_lm,
     check_model_supported,
     load_balancing_loss_func,
     logit_scale,
     with_model_softcapping,
 )
-from .multimodal import SP_REFUSAL, multimodal_inputs
-from .nonfinite_guard import NonFiniteGradGuard
-from .rollout_recording import (
-    REPLAYED_SETTINGS,
-    SampledTokenLogprobs,
-    kept_logmass_batch,
-    recording_logprobs,
-    truncation_replay,
-)
-from .sp_batch import SPMicroBatch, pool_over_group, shared_permutation
-from .vllm_rollouts import check_vllm_logprobs_mode, prepare_vllm_engine
+from .common.multimodal import SP_REFUSAL
+from .common.overrides import overridden, trl_deprecated_aliases_silenced
+from .common.sp_batch import pool_over_group
+from .grpo_config import RLLossGRPOConfig
+from .sync.checkpoints import CompleteCheckpoints
+from .sync.dynamic_sampling import DynamicSampling
+from .sync.nonfinite_guard import NonFiniteGradGuard
+from .sync.old_logprobs import OldLogprobs
+from .sync.saving import ModelSaving
+from .sync.sequence_parallel import SequenceParallelBatches
+from .sync.vllm import check_vllm_logprobs_mode, prepare_vllm_engine
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
 logger = logging.get_logger(__name__)
-
-
-@contextlib.contextmanager
-def _overridden(obj: Any, **values: Any) -> Iterator[None]:
-    saved = {name: getattr(obj, name) for name in values}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
-
-
-# TRL 1.16 (pinned) calls these deprecated aliases around generation and scoring, and PEFT's `get_peft_model` (called
-# by TRL's __init__) reads one; transformers keeps them working until v6. Silenced only inside those calls
-# (`_trl_deprecated_aliases_silenced`), so a user's own use still warns.
-_TRL_DEPRECATED_ALIASES = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)`"
-
-
-@contextlib.contextmanager
-def _trl_deprecated_aliases_silenced() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TRL_DEPRECATED_ALIASES + " is deprecated", category=FutureWarning)
-        yield
 
 
 def _trl_is_ratio_per_token(ratio: torch.Tensor, labels: torch.Tensor, ignore_idx: int, absorbs: bool) -> torch.Tensor:
@@ -116,7 +71,16 @@ def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -
     return max(coef - args.entropy_coef_delta, args.entropy_coef_min)
 
 
-class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwards, DynamicSampling, GRPOTrainer):
+class RLLossGRPOTrainer(
+    CompleteCheckpoints,
+    NonFiniteGradGuard,
+    ModelSaving,
+    SequenceParallelBatches,
+    OldLogprobs,
+    LossLayerForwards,
+    DynamicSampling,
+    GRPOTrainer,
+):
     r"""
     Trainer for GRPO whose loss is computed by the hf_rlloss loss layer: TRL's [`~trl.GRPOTrainer`] with generation,
     rewards, advantages, PEFT, logging and checkpoints unchanged, and each optimizer update the gradient of the loss
@@ -141,6 +105,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
     ...         "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
     ...         "loss_agg_mode": "token-mean",
     ...         "use_kl_loss": True,
+    ...         "kl_loss_type": "k3",
     ...         "kl_loss_coef": 0.001,
     ...     },
     ... )
@@ -214,11 +179,11 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
-        prepare_vllm_engine(args)  # before TRL builds a colocated engine (see vllm_rollouts.py)
+        prepare_vllm_engine(args)  # before TRL builds a colocated engine (see sync/vllm.py)
 
         # TRL override: TRL must neither build a reference model (it would reload it from `config._name_or_path`,
         # which fails for in-memory models) nor compute reference log-probs: the KL is the loss layer's.
-        with _overridden(args, beta=0.0, sync_ref_model=False), _trl_deprecated_aliases_silenced():
+        with overridden(args, beta=0.0, sync_ref_model=False), trl_deprecated_aliases_silenced():
             super().__init__(
                 model=model,
                 reward_funcs=reward_funcs,
@@ -237,7 +202,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             )
         self.beta = 0.0  # TRL's KL stays off; see rl_loss_config.use_kl_loss
 
-        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/trainer/multimodal.py
+        if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/trainer/common/multimodal.py
             raise ValueError(SP_REFUSAL)
         self._setup_loss_layer(args, reference)
         check_vllm_logprobs_mode(self, self.rl_loss_config.rollout_is.enabled)
@@ -265,13 +230,8 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         self._rl_step_size = 0
         self._rl_step_metrics: list[dict[str, Any]] = []  # the metrics of each micro-batch of the step so far
         self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
-        self._recorded_kept_logmass: list[list[torch.Tensor]] = []
-        self._stashed_kept_logmass: torch.Tensor | None = None
-        self._truncation_replay = self._build_truncation_replay()
         self.sp_mesh = None
-        # Under SP, TRL's old log-probs wait until the group has pooled its batch: "compute" (when TRL asks),
-        # "defer" (TRL is scoring this rank's share: skip them), "deferred" (skipped: compute them after pooling).
-        self._sp_old_logps = "compute"
+        self._setup_old_logprobs()
         if args.sp_size > 1:
             self._setup_sequence_parallel(unwrapped)
         self._setup_packing(args, unwrapped)
@@ -285,42 +245,21 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             self.add_callback(SyncRefModelCallback(ref_model=self.ref_model, accelerator=self.accelerator))
 
     def _build_reference(self, source: Any) -> nn.Module | None:
-        """The reference model from `engines.reference_source`'s answer (`None` when it is the policy's adapter)."""
+        """The reference model from `reference_source`'s answer (`None` when it is the policy's adapter)."""
         if source is None or source == "adapter":
             return None
         if isinstance(source, str):
-            init_kwargs = dict(self.args.model_init_kwargs or {})
-            init_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-            init_kwargs.setdefault("dtype", self.model.dtype)
-            init_kwargs.setdefault("attn_implementation", self.model.config._attn_implementation)
             # FSDP too: by now the state says FSDP (not MULTI_GPU), and "auto" would spread each rank's copy over
             # every GPU; `fully_shard` moves the CPU-loaded model to the rank's device.
-            if self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
-                init_kwargs["device_map"] = None
-            source = create_model_from_path(source, **init_kwargs)
+            distributed = self.args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]
+            defaults = {"dtype": self.model.dtype, "attn_implementation": self.model.config._attn_implementation}
+            source = load_reference(source, self.args, defaults, {"device_map": None} if distributed else {})
         check_model_supported(source, self.rl_loss_config.logit_softcapping)
         if self.sp_mesh is not None:
             use_ulysses_attention(causal_lm(source), self.args.sp_size, "the reference model")
         if self._packing != "off":
             use_packed_attention(causal_lm(source))
         return prepare_reference(source, self)
-
-    def _build_truncation_replay(self) -> LogitsProcessorList | None:
-        """The truncation the trainer replays on π_old (see `rollout_recording.truncation_replay`)."""
-        args = self.args
-        hf_generate = not self.use_vllm and self.rollout_func is None and not args.use_transformers_continuous_batching
-        external = None
-        if self.use_vllm or self.rollout_func is not None:
-            # TRL passes top_k/top_p/min_p to vLLM; generation_kwargs may override them
-            overrides = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-            external = {name: overrides.get(name, getattr(self, name)) for name in REPLAYED_SETTINGS}
-        return truncation_replay(
-            hf_generate and args.record_rollout_logprobs,
-            external,
-            getattr(self, "generation_config", None),  # TRL builds none with vLLM
-            args.rollout_logprobs_support,
-            self.rl_loss_config.rollout_is.enabled,
-        )
 
     def _setup_packing(self, args: RLLossGRPOConfig, unwrapped: nn.Module) -> None:
         """`self._packing`, the layout of the training forwards (`args.packing` unless it cannot be exact for this
@@ -342,41 +281,8 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         if mode != "off":
             use_packed_attention(self._causal_lm(unwrapped))
 
-    def _setup_sequence_parallel(self, unwrapped: nn.Module) -> None:
-        """The policy on the Ulysses attention and `self.sp_mesh` (processes % sp_size: `RLLossGRPOConfig`'s check)."""
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        if parallelism is not None and (
-            getattr(parallelism, "sp_enabled", False) or getattr(parallelism, "cp_enabled", False)
-        ):
-            raise ValueError(
-                "sp_size > 1 is RLLossGRPOTrainer's own Ulysses sequence parallelism: do not also enable Accelerate's "
-                "ParallelismConfig sp_size/cp_size (DeepSpeed ALST / context parallelism)"
-            )
-        use_ulysses_attention(causal_lm(unwrapped), self.args.sp_size, "the policy")
-        self.sp_mesh = build_sp_mesh(self.args.sp_size, device_type=self.accelerator.device.type)
-
     # ------------------------------------------------------------------------------------------------------------
     # TRL override points. Each overrides the `GRPOTrainer` (or `Trainer`) method of the same name.
-
-    def get_train_dataloader(self):
-        # TRL override: under SP each rank loads its 1/sp_size share of its SP group's generation batch.
-        get_dataloader, shadowed = self._get_dataloader, vars(self).get("_get_dataloader")
-
-        def share(**kwargs):
-            return get_dataloader(**{**kwargs, "batch_size": kwargs["batch_size"] // self.args.sp_size})
-
-        self._get_dataloader = share
-        try:
-            return super().get_train_dataloader()
-        finally:
-            if shadowed is None:
-                del self._get_dataloader
-            else:
-                self._get_dataloader = shadowed
-
-    def get_total_train_batch_size(self, args) -> int:
-        # TRL override: sequences per optimizer step (logged, throughput); an SP group is one data-parallel replica.
-        return super().get_total_train_batch_size(args) // getattr(args, "sp_size", 1)
 
     def _prepare_inputs(self, generation_batch):
         # TRL override: TRL's look-ahead buffer `_buffered_inputs` holds the generation batch's micro-batches; at an
@@ -406,43 +312,6 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         inputs["rl_loss_last_micro_batch"] = not self._rl_pending and self._rl_step_remaining == 0
         return inputs
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        # TRL override: under SP the backward, and the recomputation of gradient checkpointing in it, must run the
-        # Ulysses attention too; generation and scoring (in `_prepare_inputs`) leave the SP context.
-        if self.sp_mesh is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        with ulysses_sequence_parallel(self.sp_mesh):
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # TRL override: with HF generate, the generating model's `_get_logits_processor` is wrapped for the call so
-        # that the sampled tokens' log-probs are recorded (`rollout_recording.recording_logprobs`).
-        generate = super()._generate_single_turn
-        inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
-        if not (hf_generate and self.args.record_rollout_logprobs):
-            return generate(*inputs)
-        mode = self.generation_config.get_generation_mode()
-        if mode != GenerationMode.SAMPLE:
-            # Beam search (even with sampling), greedy, contrastive, ...: the tokens are not independent draws from
-            # one per-token distribution (beams are re-ranked and re-ordered), so there is no log-prob to record.
-            # Said in training only: an evaluation may decode greedily (the recipes' held-out accuracy).
-            if self.model.training:
-                logger.warning_once(
-                    f"generation mode {mode.value!r} is not plain sampling, so its tokens have no sampling log-probs: "
-                    "no rollout log-probs are recorded (no mismatch metrics, and rl_loss.rollout_is cannot be used)"
-                )
-            return generate(*inputs)
-        recorder = SampledTokenLogprobs()
-        with recording_logprobs(self._causal_lm(self.accelerator.unwrap_model(self.model)), recorder):
-            completion_ids, logprobs = generate(*inputs)
-        if logprobs is None:
-            recorded = recorder.per_completion(completion_ids, self.args.rollout_logprobs_support)
-            if recorded is not None:
-                logprobs, kept_logmass = recorded
-                self._recorded_kept_logmass.append(kept_logmass)
-        return completion_ids, logprobs
-
     def _generate_and_score_completions(self, inputs):
         # TRL override: adds the recorded kept mass; under SP pools the group's batch (TRL's old log-probs wait for
         # it); computes the old log-probs rollout IS needs and the reference log-probs of the loss layer's KL.
@@ -450,7 +319,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         self._stashed_kept_logmass = None  # filled with the old log-probs when TRL computes them
         self._sp_old_logps = "compute" if self.sp_mesh is None else "defer"
         try:
-            with _trl_deprecated_aliases_silenced():
+            with trl_deprecated_aliases_silenced():
                 batch = self._add_recorded_kept_logmass(super()._generate_and_score_completions(inputs))
             old_logps_deferred = self._sp_old_logps == "deferred"
         finally:
@@ -462,40 +331,6 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
             with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
                 batch["ref_per_token_logps"] = self.compute_ref_per_token_logps(batch)
         return batch
-
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **multimodal,
-    ):
-        # TRL override: TRL calls it for the old log-probs (no grad): they are computed as the loss computes the
-        # current ones (chunked, from hidden states); under SP they wait for the pooled batch.
-        if self._sp_old_logps != "compute" and not torch.is_grad_enabled():
-            self._sp_old_logps = "deferred"
-            return None, None, None
-        if torch.is_grad_enabled() or compute_entropy or compute_aux_loss:
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
-        args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
-        vision = multimodal_inputs(multimodal)  # VLM
-        if self._truncation_replay is not None:  # the kept mass of the replayed truncation, from the same pass
-            logps, self._stashed_kept_logmass = self.compute_per_token_logps(*args, self._truncation_replay, vision)
-            return logps, None, None
-        return self.compute_per_token_logps(*args, None, vision), None, None
 
     def _compute_loss(self, model, inputs):
         # TRL override: the loss of the micro-batch's context (built in `_prepare_inputs`, or here in evaluation).
@@ -537,64 +372,6 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         if losses:
             output.metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         return output
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model`, writing a consolidated model under FSDP whatever `fsdp_state_dict_type` is.
-
-        Trainer override: under FSDP with `SHARDED_STATE_DICT` (`accelerate_configs/fsdp2.yaml`), transformers'
-        `save_model` writes no weights (the sharded model goes next to the optimizer state, for resuming), so a final
-        `save_model()` or `push_to_hub()` would leave a folder `from_pretrained` cannot load. Here every rank joins
-        one gather of the full state dict and the main process writes a normal HF folder.
-        """
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if not self.is_fsdp_enabled or plugin is None:
-            return super().save_model(output_dir, _internal_call)
-        with _overridden(plugin, state_dict_type=StateDictType.FULL_STATE_DICT):
-            return super().save_model(output_dir, _internal_call)
-
-    def create_model_card(
-        self,
-        model_name: str | None = None,
-        dataset_name: str | None = None,
-        tags: str | list[str] | None = None,
-        base_model: str | None = None,
-        example_prompt: str | None = None,
-    ) -> None:
-        """TRL override: TRL's model card, completed for the Hub by `hf_rlloss.recipe_support.hub.complete_model_card`.
-
-        Its quick start loads the Hub repository when there is one (`hub_model_id`, `push_to_hub`), else the output
-        folder relative to the working directory, and asks one of the training prompts; its front matter has the base
-        model's license when its card can be read offline.
-
-        Args:
-            model_name (`str`, *optional*, defaults to the name of `output_dir`):
-                The card's title.
-            dataset_name (`str`, *optional*):
-                The training dataset (the card's `datasets` metadata).
-            tags (`str` or `list[str]`, *optional*):
-                Tags added to `trl`, `grpo` and `hf-rlloss`.
-            base_model (`str`, *optional*):
-                The model trained from: its `base_model` metadata when it is a Hub id, else named in the text.
-                Defaults to TRL's choice (the policy's `config._name_or_path` unless it is a local folder).
-            example_prompt (`str`, *optional*, defaults to the first training prompt):
-                The quick start's question.
-        """
-        if not self.is_world_process_zero():
-            return
-        model_name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        path = os.path.join(self.args.output_dir, "README.md")
-        local_path = None if self.hub_model_id else quick_start_folder(self.args.output_dir)
-        source = getattr(self.model.config, "_name_or_path", None)
-        card = complete_model_card(
-            ModelCard.load(path),
-            self.rl_loss_config.to_dict(),
-            base_model,
-            local_path,
-            example_prompt or dataset_example_prompt(self.train_dataset),
-            base_model_license(source) or base_model_license(base_model),
-        )
-        card.save(path)
 
     # ------------------------------------------------------------------------------------------------------------
     # Extension points: the loss data and context of a micro-batch (hidden states, the LM head and the log-probs
@@ -661,7 +438,7 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         first = self._rl_step_size - self._rl_step_remaining  # index in the step of the group's first micro-batch
         contexts = []
         for i in range(k):
-            with _overridden(self, _rl_micro_batch=first + i):  # named by the errors about this micro-batch's data
+            with overridden(self, _rl_micro_batch=first + i):  # named by the errors about this micro-batch's data
                 contexts.append(self.build_loss_context(self._buffered_inputs[(self._step + i) % spg]))
         type(contexts[0]).build_batches(
             contexts, grad_averaging_size=self.accelerator.num_processes, step_fraction=k / self._rl_step_size
@@ -693,68 +470,3 @@ class RLLossGRPOTrainer(CompleteCheckpoints, NonFiniteGradGuard, LossLayerForwar
         for trl_metrics in trl_per_micro_batch:
             for key, value in trl_metrics.items():
                 self._metrics[mode][key].append(float(value))
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Old log-probs and the recorded rollout
-
-    @property
-    def _old_logps_from_loss(self) -> bool:
-        """Whether the mismatch metrics take the old log-probs from the training forward (detached) instead of a
-        no-grad pass: every micro-batch on-policy, rollout IS metrics-only, no replayed truncation, no SP."""
-        return (
-            self.sp_mesh is None
-            and self.num_iterations == 1
-            and self.args.steps_per_generation == self.args.gradient_accumulation_steps
-            and not self.rl_loss_config.rollout_is.enabled
-            and self._truncation_replay is None  # the sampled support needs π_old's kept mass: a no-grad pass
-        )
-
-    def _add_old_logps(self, batch: dict[str, Any], deferred: bool) -> None:
-        """Old log-probs (and under replayed truncation their kept mass) where rollout IS or SP needs them and TRL did
-        not compute them: rollout IS and the mismatch metrics compare the rollout's log-probs with the policy's."""
-        has_rollout_logps = batch.get("sampling_per_token_logps") is not None
-        replay = self._truncation_replay if has_rollout_logps else None
-        stashed, self._stashed_kept_logmass = self._stashed_kept_logmass, None
-        if replay is not None and batch.get("old_per_token_logps") is not None and stashed is not None:
-            batch["old_kept_logmass"] = stashed
-            return
-        needed = deferred or (has_rollout_logps and not self._old_logps_from_loss)
-        if replay is None and not (needed and batch.get("old_per_token_logps") is None):
-            return
-        input_ids, attention_mask = prompt_and_completion(batch)
-        batch_size = self.args.per_device_train_batch_size if self.model.training else None
-        length = batch["completion_ids"].size(1)
-        with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
-            logps = self.compute_per_token_logps(
-                self.model, input_ids, attention_mask, length, batch_size, replay, multimodal_inputs(batch)
-            )
-        if replay is None:
-            batch["old_per_token_logps"] = logps
-        else:
-            batch["old_per_token_logps"], batch["old_kept_logmass"] = logps
-
-    def _add_recorded_kept_logmass(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """`batch["rollout_kept_logmass"]` `(B, C)` from the HF-generate recorder, when one generation call produced
-        every row (with tool calls a row's tokens come from several calls: the kept mass is then not reported)."""
-        recorded, self._recorded_kept_logmass = self._recorded_kept_logmass, []
-        kept = None if self.tools else kept_logmass_batch(recorded, batch["completion_ids"])
-        if kept is not None:
-            batch["rollout_kept_logmass"] = kept
-        return batch
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Sequence parallelism: the group's batch and its packed micro-batches (see sp_batch.py)
-
-    def _sp_buffered_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's `_prepare_inputs` (training) for an SP group: generate, pool, shuffle alike on the group, split."""
-        spg = self.args.steps_per_generation
-        if self._step % (spg * self.num_iterations) == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)  # the SP group's pooled batch
-            permutation = shared_permutation(batch["prompt_ids"].shape[0], self.sp_mesh, batch["prompt_ids"].device)
-            batch = {k: v[permutation] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
-            self._buffered_inputs = split_tensor_dict(batch, spg)
-        return self._buffered_inputs[self._step % spg]
-
-    def _sp_pack_batch(self, inputs: dict[str, Any]) -> SPMicroBatch:
-        """This rank's view of a micro-batch packed into one row (see `SPMicroBatch`)."""
-        return SPMicroBatch.from_layout(self._sp_layout(inputs), self.sp_mesh, self._tokenizer.pad_token_id)

@@ -26,20 +26,21 @@ row's earlier tokens only; hence the same hidden states for every completion tok
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.utils import logging
 
-from ..loss.metrics import Reduction, register_finalizer, register_metric
-from .sp_batch import pack_rows
+from ...loss.metrics import Reduction, register_finalizer, register_metric
 
 __all__ = [
     "PACKING_MODES",
     "PackedLayout",
+    "PackedRows",
     "build_layout",
     "layout_fallback_reason",
     "pack_padding_free",
+    "pack_rows",
     "pack_shared_prefix",
     "packing_metrics",
 ]
@@ -120,6 +121,56 @@ class PackedLayout:
 
     def metrics(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         return packing_metrics(self.padded_tokens, self.forwarded_tokens, device)
+
+
+class PackedRows(NamedTuple):
+    """Rows of a padded prompt/completion batch packed into one row without padding (`"padding_free"`, and SP's).
+
+    `input_ids`/`position_ids` are `(1, L)`: each sequence's prompt without its left padding followed by its completion
+    without its right padding, positions restarting at 0 per sequence; `num_tokens` `(B,)` their lengths. Completion
+    token `(rows[k], cols[k])` of the padded batch is predicted at packed position `label_index[k]` (the position
+    before it), i.e. a `(B, C)` completion-aligned tensor `x` becomes `packed[0, label_index] = x[rows, cols]`.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    num_tokens: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    label_index: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def pack(self, values: torch.Tensor, padding_value: float) -> torch.Tensor:
+        """A `(B, C)` completion-aligned tensor in the packed `(1, L)` layout, `padding_value` elsewhere."""
+        out = values.new_full((1, self.length), padding_value)
+        out[0, self.label_index] = values[self.rows, self.cols]
+        return out
+
+    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The inverse of `pack` for a `(1, L)` tensor: `(B, C)`, 0 where no completion token is."""
+        out = packed.new_zeros(shape)
+        out[self.rows, self.cols] = packed[0, self.label_index]
+        return out
+
+
+def pack_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> PackedRows:
+    """Pack a left-padded prompt batch and a right-padded completion batch (masks: 1 = real token) into one row."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    keep = torch.cat([prompt_mask, completion_mask], dim=1).bool()
+    num_tokens = keep.sum(dim=1)
+    starts = num_tokens.cumsum(0) - num_tokens
+    position_ids = (keep.long().cumsum(dim=1) - 1)[keep].unsqueeze(0)
+    packed_index = (keep.reshape(-1).long().cumsum(0) - 1).reshape(keep.shape)[:, prompt_ids.shape[1] :]
+    rows, cols = completion_mask.bool().nonzero(as_tuple=True)
+    label_index = packed_index[rows, cols] - 1
+    has_context = label_index >= starts[rows]  # a sequence's first token is not predicted from anything
+    rows, cols, label_index = rows[has_context], cols[has_context], label_index[has_context]
+    return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
 
 
 def _segments(cu_seqlens: torch.Tensor, kv_index: torch.Tensor, cu_seqlens_k: torch.Tensor) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .vllm_cpu import is_vllm_importable, silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from ..common.vllm_cpu import is_vllm_importable, silence_trl_vllm_version_warning, use_reloadable_cpu_linear
 
 __all__ = ["check_vllm_config", "check_vllm_logprobs_mode", "prepare_vllm_engine"]
 

@@ -3,30 +3,26 @@
 Under `sp_size > 1` each rank generates and scores its `1/sp_size` share of its SP group's generation batch; the
 group then pools the scored batch (`pool_over_group`, so every rank holds the group's batch in the same order),
 shuffles it alike on every rank (`shared_permutation`) and splits it into micro-batches. Each micro-batch is packed
-into one row (a `PackedLayout` of `hf_rlloss.trainer.packing`: prompts shared or repeated, as
+into one row (a `PackedLayout` of `hf_rlloss.trainer.common.packing`: prompts shared or repeated, as
 `RLLossGRPOConfig.packing` says) and every rank runs the backbone on a contiguous shard of it. `SPMicroBatch` carries
 that rank's input shard and the micro-batch's loss data laid out by loss term (completion token): the terms the loss
 context keeps (`sp_split` of the term data inside `build`) and the hidden states `term_hidden` picks for them are cut
-by the same split, so they line up. `pack_rows` (`PackedRows`) is the padding-free packing of a padded batch."""
+by the same split, so they line up."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.sequence import sp_all_gather, sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
-
-if TYPE_CHECKING:  # packing.py imports pack_rows from here
-    from .packing import PackedLayout
+from ...parallel.sequence import sp_all_gather, sp_gather, sp_group, sp_shard_inputs, sp_split, sp_world_size
+from .packing import PackedLayout
 
 __all__ = [
-    "PackedRows",
     "SPMicroBatch",
-    "pack_rows",
     "pad_rows_to_length",
     "pool_fill_value",
     "pool_over_group",
@@ -34,62 +30,12 @@ __all__ = [
 ]
 
 
-class PackedRows(NamedTuple):
-    """Rows of a padded prompt/completion batch packed into one row, for sequence parallelism.
-
-    `input_ids`/`position_ids` are `(1, L)`: each sequence's prompt without its left padding followed by its completion
-    without its right padding, positions restarting at 0 per sequence; `num_tokens` `(B,)` their lengths. Completion
-    token `(rows[k], cols[k])` of the padded batch is predicted at packed position `label_index[k]` (the position
-    before it), i.e. a `(B, C)` completion-aligned tensor `x` becomes `packed[0, label_index] = x[rows, cols]`.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    num_tokens: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    label_index: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
-
-    def pack(self, values: torch.Tensor, padding_value: float) -> torch.Tensor:
-        """A `(B, C)` completion-aligned tensor in the packed `(1, L)` layout, `padding_value` elsewhere."""
-        out = values.new_full((1, self.length), padding_value)
-        out[0, self.label_index] = values[self.rows, self.cols]
-        return out
-
-    def unpack(self, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        """The inverse of `pack` for a `(1, L)` tensor: `(B, C)`, 0 where no completion token is."""
-        out = packed.new_zeros(shape)
-        out[self.rows, self.cols] = packed[0, self.label_index]
-        return out
-
-
-def pack_rows(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor
-) -> PackedRows:
-    """Pack a left-padded prompt batch and a right-padded completion batch (masks: 1 = real token) into one row."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    keep = torch.cat([prompt_mask, completion_mask], dim=1).bool()
-    num_tokens = keep.sum(dim=1)
-    starts = num_tokens.cumsum(0) - num_tokens
-    position_ids = (keep.long().cumsum(dim=1) - 1)[keep].unsqueeze(0)
-    packed_index = (keep.reshape(-1).long().cumsum(0) - 1).reshape(keep.shape)[:, prompt_ids.shape[1] :]
-    rows, cols = completion_mask.bool().nonzero(as_tuple=True)
-    label_index = packed_index[rows, cols] - 1
-    has_context = label_index >= starts[rows]  # a sequence's first token is not predicted from anything
-    rows, cols, label_index = rows[has_context], cols[has_context], label_index[has_context]
-    return PackedRows(ids[keep].unsqueeze(0), position_ids, num_tokens, rows, cols, label_index)
-
-
 @dataclasses.dataclass(frozen=True)
 class SPMicroBatch:
     """One micro-batch of an SP group, as this rank sees it: the packed row, this rank's shard of its inputs, and the
     loss data in the layout of the loss terms.
 
-    The row is a `PackedLayout` (`hf_rlloss.trainer.packing`, `RLLossGRPOConfig.packing`): `"shared_prefix"` (TRL's
+    The row is a `PackedLayout` (`packing.py`, `RLLossGRPOConfig.packing`): `"shared_prefix"` (TRL's
     `TreeRow`, each prompt forwarded once) or `"padding_free"`, `N` positions, the same on every rank of the group,
     which runs the backbone on its contiguous shard (`input_ids`, padded at the end to a multiple of the SP size) with
     the whole row's tree layout (`attention_kwargs`, read by the Ulysses attention).

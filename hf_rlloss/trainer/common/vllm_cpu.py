@@ -5,9 +5,10 @@ vLLM's CPU backend prepares every linear layer for inference when the model is l
 `process_weights_after_loading`): it packs the weight into a oneDNN / sgl-kernel layout held by a closure
 (`layer.cpu_linear`) and, for the linear layers, replaces `layer.weight` by an empty parameter without the
 `weight_loader` that `model.load_weights` writes through. A trainer that pushes its weights into the engine after
-each optimizer step (TRL's colocate mode, `VLLMGeneration.sync_weights`; the asynchronous worker of
-`vllm_rollouts`) then fails at the first sync with ``'Parameter' object has no attribute 'weight_loader'``, and the
-LM head, whose weight is kept, would still compute with the packed copy of the initial weights.
+each optimizer step (TRL's colocate mode, `VLLMGeneration.sync_weights`; the asynchronous trainer's
+`async_.vllm_rollout.VLLMRolloutWorker`) then fails at the first sync with ``'Parameter' object has no attribute
+'weight_loader'``, and the LM head, whose weight is kept, would still compute with the packed copy of the initial
+weights.
 
 `use_reloadable_cpu_linear` replaces that one function with one that keeps the plain parameter and computes with
 `torch.nn.functional.linear` (the fallback vLLM itself uses where no packed kernel applies), so `load_weights` writes

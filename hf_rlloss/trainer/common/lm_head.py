@@ -18,8 +18,8 @@ from accelerate.utils import is_peft_available, is_peft_model
 from torch import nn
 from transformers import LogitsProcessorList
 
-from ..loss.chunked_logprobs import chunked_kept_logmass, chunked_logprobs
-from ..loss.config import BaseRLLossConfig
+from ...loss.chunked_logprobs import chunked_kept_logmass, chunked_logprobs
+from ...loss.config import BaseRLLossConfig
 
 if is_peft_available():  # peft is optional: without it no head can be wrapped
     from peft.utils.other import ModulesToSaveWrapper

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from trl.trainer.utils import RepeatSampler
 
-from .sp_batch import pad_rows_to_length, shared_permutation
+from ..common.sp_batch import pad_rows_to_length, shared_permutation
 
 __all__ = [
     "DynamicSampling",

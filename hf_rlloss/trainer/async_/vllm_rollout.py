@@ -1,8 +1,8 @@
 """`VLLMRolloutWorker`: the asynchronous trainer's rollout worker process, sampling with a vLLM engine instead of HF
 `generate`, on any machine vLLM runs on (its CPU build included), without a server or NCCL.
 
-It is `async_cpu.HFGenerateRolloutWorker` (prompts, rewards, group advantages, queues, heartbeat, weight lag, and the
-weights through `async_cpu.QueueWeightTransfer`) with two things replaced in the worker process:
+It is `cpu_rollout.HFGenerateRolloutWorker` (prompts, rewards, group advantages, queues, heartbeat, weight lag, and the
+weights through `cpu_rollout.QueueWeightTransfer`) with two things replaced in the worker process:
 
 * the policy copy is a vLLM engine (`LLM`, in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the weights can be
   loaded into its model) built with `logprobs_mode="processed_logprobs"`: the per-token log-probs it reports are those
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .async_cpu import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _prompt_text, _WorkerLoop
-from .vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from .cpu_rollout import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _prompt_text, _WorkerLoop
 
 __all__ = ["VLLMRolloutWorker"]
 
@@ -52,7 +52,7 @@ class VLLMRolloutWorker(HFGenerateRolloutWorker):
                 "vLLM reports the log-probs of the truncated distribution only; set rollout_logprobs_support="
                 "'sampled'"
             )
-        # read by async_cpu._worker_main in the spawned process (the settings are pickled with it)
+        # read by cpu_rollout._worker_main in the spawned process (the settings are pickled with it)
         s.loop_class = _VLLMWorkerLoop
         s.vllm = {"max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
 

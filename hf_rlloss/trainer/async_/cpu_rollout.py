@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from .rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
 
@@ -268,7 +268,7 @@ class QueueWeightTransfer:
 
 def _worker_main(settings, rollout_buffer, metrics_queue, weights_queue, stop, ready, failed, errors, heartbeat):
     try:
-        loop = getattr(settings, "loop_class", _WorkerLoop)  # vllm_worker.VLLMRolloutWorker sets its own
+        loop = getattr(settings, "loop_class", _WorkerLoop)  # vllm_rollout.VLLMRolloutWorker sets its own
         loop(settings, rollout_buffer, metrics_queue, weights_queue, stop, heartbeat).run(ready)
     except BaseException:  # report, then leave: the trainer's health check raises with this traceback
         try:

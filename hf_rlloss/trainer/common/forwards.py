@@ -23,10 +23,10 @@ from torch import nn
 from transformers import LogitsProcessorList
 from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 
-from ..loss.context import BaseRLLossContext
-from ..parallel.packed_attention import packed_forward
-from ..parallel.sequence import on_first_sp_rank
-from ..parallel.ulysses import ulysses_sequence_parallel
+from ...loss.context import BaseRLLossContext
+from ...parallel.packed_attention import packed_forward
+from ...parallel.sequence import on_first_sp_rank
+from ...parallel.ulysses import ulysses_sequence_parallel
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
@@ -154,7 +154,7 @@ class LossLayerForwards:
         self, unwrapped: nn.Module, batch: dict[str, Any], output_router_logits: bool = False
     ) -> tuple[torch.Tensor, Any, torch.Tensor | None, int]:
         """The `(B, C, H)` completion-aligned hidden states of a batch (`out[b, c]` predicts completion token
-        `(b, c)`), from one forward laid out as `self._packing` says (`hf_rlloss.trainer.packing`: one packed row,
+        `(b, c)`), from one forward laid out as `self._packing` says (`packing.py`: one packed row,
         or the padded `(B, P + C)` batch).
 
         Returns:

@@ -1,7 +1,8 @@
 """What the trainer does differently per training engine (DDP, DeepSpeed ZeRO, FSDP2).
 
 * the reference model: where it comes from (`reference_source`, a ZeRO-3 sharded copy of an in-memory policy with
-  `zero3_sharded_copy`) and how it is wrapped (`prepare_reference`, as TRL wraps its own);
+  `zero3_sharded_copy`), how it is loaded from a path (`load_reference`) and wrapped (`prepare_reference`, as TRL
+  wraps its own); both trainers build their reference with these;
 * running a function inside the wrapped model's forward, so that DDP/FSDP/DeepSpeed hooks fire, and resharding
   FSDP2 units after a no-gradient pass (`call_through_wrapper`);
 * the dtype the LM head's GEMMs run in under mixed precision (`head_operands`);
@@ -21,13 +22,14 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer.utils import create_model_from_path, disable_dropout_in_model
 
 __all__ = [
     "activation_checkpointing_disabled",
     "call_through_wrapper",
     "head_operands",
     "is_zero3_partitioned",
+    "load_reference",
     "prepare_reference",
     "reference_source",
     "zero3_sharded_copy",
@@ -136,6 +138,16 @@ def prepare_reference(reference: nn.Module, trainer: Any) -> nn.Module:
     if trainer.is_fsdp_enabled:
         return prepare_fsdp(reference, trainer.accelerator)
     return trainer.accelerator.prepare_model(reference, evaluation_mode=True)
+
+
+def load_reference(path: str, args: Any, defaults: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
+    """The reference loaded from `path` with `args.model_init_kwargs` (and `args.trust_remote_code`), completed by
+    `defaults` where they are silent, and `overrides` whatever they say."""
+    init_kwargs = dict(args.model_init_kwargs or {})
+    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    for key, value in defaults.items():
+        init_kwargs.setdefault(key, value)
+    return create_model_from_path(path, **{**init_kwargs, **overrides})
 
 
 def call_through_wrapper(accelerator: Any, redirection: Callable, model: nn.Module, fn: Callable, *args: Any) -> Any:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Prove the lower bounds of pyproject.toml's dependency ranges: build the wheel, install it in a fresh virtual
+# environment with every dependency at the lowest version its range allows, and train two steps of a tiny model
+# from outside the repository (the offline example of docs/index.md, "Train from Python, offline").
+#
+#   scripts/check_min_versions.sh [WORK_DIR]      # WORK_DIR: where the venv and the run go (default: a new temp dir)
+#
+# torch is installed first, at TORCH_VERSION (default 2.13.0, the CPU build on local disk): a torch at the range's
+# lower bound would be a multi-GB download of another build. Every other dependency with a ">=" bound is pinned to
+# exactly that bound; dependencies pip needs beyond them resolve freely. Takes a few minutes (mostly installing).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+WORK="${1:-$(mktemp -d)}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+START=$(date +%s)
+mkdir -p "$WORK"
+echo "work dir: $WORK"
+
+# 1. The wheel, built from the checkout as an index would get it.
+"$PYTHON" -m build --wheel --outdir "$WORK/dist" "$ROOT" > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
+WHEEL="$(ls "$WORK"/dist/hf_rlloss-*.whl)"
+
+# 2. The minimum versions: "name>=X" -> "name==X" for every runtime dependency (torch: TORCH_VERSION).
+"$PYTHON" - "$ROOT/pyproject.toml" "$TORCH_VERSION" > "$WORK/min-constraints.txt" <<'EOF'
+import re, sys, tomllib
+deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
+for dep in deps:
+    name = re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0]
+    low = re.search(r">=\s*([^,;\s]+)", dep)
+    if name == "torch":
+        print(f"torch=={sys.argv[2]}")
+    elif low:
+        print(f"{name}=={low.group(1)}")
+    else:
+        sys.exit(f"{dep!r} has no lower bound: give it one")
+EOF
+echo "minimum versions:"; sed 's/^/  /' "$WORK/min-constraints.txt"
+
+# 3. A fresh environment: torch first, then the wheel at the minimum versions.
+"$PYTHON" -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+"$VPY" -m pip install --quiet "torch==$TORCH_VERSION"
+"$VPY" -m pip install --quiet "$WHEEL" -c "$WORK/min-constraints.txt"
+"$VPY" -m pip freeze > "$WORK/installed.txt"
+"$VPY" - "$WORK/min-constraints.txt" <<'EOF'
+import sys
+from importlib.metadata import version
+from packaging.version import Version
+for line in open(sys.argv[1]):
+    name, pinned = line.strip().split("==")
+    installed = version(name)
+    if Version(installed.split("+")[0]) != Version(pinned):
+        sys.exit(f"{name} {installed} installed, {pinned} pinned")
+print("installed exactly at the minimum versions")
+EOF
+
+# 4. Two training steps from outside the repository: the package must come from the wheel, not the checkout.
+mkdir -p "$WORK/run"
+"$PYTHON" - "$ROOT/docs/index.md" > "$WORK/run/example.py" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+print(re.search(r"```python\n(.*?)\n```", text[text.index("## Train from Python, offline"):], re.S).group(1))
+EOF
+cd "$WORK/run"
+HF_RLLOSS_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH= \
+    "$VPY" -c "import hf_rlloss, sys; assert not hf_rlloss.__file__.startswith('$ROOT'), hf_rlloss.__file__"
+HF_RLLOSS_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH= \
+    "$VPY" example.py 2>&1 | tee "$WORK/run/train.log" | grep -E "^step [0-9]:"
+grep -q "^step 2:" "$WORK/run/train.log" || { tail -30 "$WORK/run/train.log"; exit 1; }
+echo "OK: hf_rlloss $("$VPY" -c 'import hf_rlloss; print(hf_rlloss.__version__)') trained two steps at the minimum" \
+    "versions in $(( $(date +%s) - START )) s"
