@@ -7,16 +7,21 @@ Two trainers, each a TRL-style config/trainer pair at the top of this package, a
   replaces); its parts in `sync/` (checkpoints, non-finite guard, dynamic sampling, old log-probs, SP data, saving);
 - asynchronous: `async_grpo_config`, `async_grpo_trainer` (`RLLossAsyncGRPOConfig`, `RLLossAsyncGRPOTrainer`, TRL's
   experimental async trainer with the loss layer, imported on first use: `trl.experimental` warns on import); its
-  parts in `async_/` (the HF-`generate` rollout worker and weight transfer for machines without vLLM/NCCL);
+  parts in `async_/` (the HF-`generate` and vLLM rollout workers and the weight transfer for machines without a
+  vLLM server or NCCL);
 - shared by both: `common/` (forwards, LM head, reference model, engines, packing, SP batches, rollout recording,
-  multimodal inputs).
+  multimodal inputs, vLLM's CPU build made reloadable).
 
 The layer imports TRL; it sits on the loss layer (`hf_rlloss.loss`) and the parallelism layer (`hf_rlloss.parallel`),
 and of the recipe support only the Hub card helper. `docs/layout.md` maps every module.
 """
 
-from .grpo_config import RLLossGRPOConfig
-from .grpo_trainer import RLLossGRPOTrainer
+from .common.vllm_cpu import silence_trl_vllm_version_warning
+
+silence_trl_vllm_version_warning()  # before TRL is imported: it warns at import when vLLM 0.32 is installed
+
+from .grpo_config import RLLossGRPOConfig  # noqa: E402
+from .grpo_trainer import RLLossGRPOTrainer  # noqa: E402
 
 _ASYNC = {"RLLossAsyncGRPOConfig": "async_grpo_config", "RLLossAsyncGRPOTrainer": "async_grpo_trainer"}
 

@@ -26,6 +26,7 @@ from trl import GRPOConfig
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 from .common.packing import PACKING_MODES
 from .common.routing_replay import ROUTING_REPLAY_MODES
+from .sync.vllm import check_vllm_config
 
 logger = logging.getLogger(__name__)
 
@@ -481,6 +482,7 @@ class RLLossGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with rl_loss: {why}")
         self.rl_loss_config = self._build_rl_loss_config()
         self._check_rollout_is_backend()
+        check_vllm_config(self, self.rl_loss_config.rollout_is.enabled)
 
     def _check_sequence_parallel(self) -> None:
         """`sp_size > 1`: a multi-process launch it divides, a generation batch it can split, supported options."""

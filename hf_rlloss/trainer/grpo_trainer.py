@@ -45,6 +45,7 @@ from .sync.nonfinite_guard import NonFiniteGradGuard
 from .sync.old_logprobs import OldLogprobs
 from .sync.saving import ModelSaving
 from .sync.sequence_parallel import SequenceParallelBatches
+from .sync.vllm import check_vllm_logprobs_mode, prepare_vllm_engine
 
 __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 
@@ -181,6 +182,7 @@ class RLLossGRPOTrainer(
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
+        prepare_vllm_engine(args)  # before TRL builds a colocated engine (see sync/vllm.py)
 
         # TRL override: TRL must neither build a reference model (it would reload it from `config._name_or_path`,
         # which fails for in-memory models) nor compute reference log-probs: the KL is the loss layer's.
@@ -206,6 +208,7 @@ class RLLossGRPOTrainer(
         if self._is_vlm and args.sp_size > 1:  # VLM: see hf_rlloss/trainer/common/multimodal.py
             raise ValueError(SP_REFUSAL)
         self._setup_loss_layer(args, reference)
+        check_vllm_logprobs_mode(self, self.rl_loss_config.rollout_is.enabled)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup

@@ -292,7 +292,8 @@ def _worker_main(settings, rollout_buffer, metrics_queue, weights, stop, ready, 
     if settings.parent_pid:
         threading.Thread(target=_exit_with_parent, args=(settings.parent_pid,), daemon=True).start()
     try:
-        _WorkerLoop(settings, rollout_buffer, metrics_queue, weights, stop, heartbeat).run(ready)
+        loop = getattr(settings, "loop_class", _WorkerLoop)  # vllm_rollout.VLLMRolloutWorker sets its own
+        loop(settings, rollout_buffer, metrics_queue, weights, stop, heartbeat).run(ready)
     except BaseException:  # report, then leave: the trainer's health check raises with this traceback
         try:  # the tail of the traceback, short enough for one atomic pipe write
             errors.put_nowait(traceback.format_exc()[-2000:])

@@ -60,7 +60,7 @@ class OldLogprobs:
         return truncation_replay(
             hf_generate and args.record_rollout_logprobs,
             external,
-            self.generation_config,
+            getattr(self, "generation_config", None),  # TRL builds none with vLLM
             args.rollout_logprobs_support,
             self.rl_loss_config.rollout_is.enabled,
         )

@@ -1,0 +1,134 @@
+"""`VLLMRolloutWorker`: the asynchronous trainer's rollout worker process, sampling with a vLLM engine instead of HF
+`generate`, on any machine vLLM runs on (its CPU build included), without a server or NCCL.
+
+It is `cpu_rollout.HFGenerateRolloutWorker` (prompts, rewards, group advantages, queues, heartbeat, weight lag, and the
+weights through `cpu_rollout.QueueWeightTransfer`) with two things replaced in the worker process:
+
+* the policy copy is a vLLM engine (`LLM`, in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the weights can be
+  loaded into its model) built with `logprobs_mode="processed_logprobs"`: the per-token log-probs it reports are those
+  of the distribution it samples from (after temperature, penalties and top-k/top-p/min-p), the rollout log-probs of
+  rollout IS and the mismatch metrics;
+* the trainer's weights, when they arrive, go into the engine's model through `load_weights` (on vLLM's CPU backend
+  after `vllm_cpu.use_reloadable_cpu_linear`, applied in the worker process before the engine is built).
+
+The engine computes in `args.dtype` (vLLM's own choice for `"auto"`: bfloat16 for a float32 checkpoint on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from .cpu_rollout import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _prompt_text, _WorkerLoop
+
+__all__ = ["VLLMRolloutWorker"]
+
+
+class VLLMRolloutWorker(HFGenerateRolloutWorker):
+    """TRL `RolloutWorkerProtocol` with a vLLM engine in a spawned process; the arguments are
+    `HFGenerateRolloutWorker`'s, plus:
+
+    Args:
+        max_model_len (`int`, *optional*): the engine's context length (prompt + completion); defaults to the
+            model's.
+        kv_cache_gib (`float`, *optional*, defaults to `1.0`): on CPU, the engine's KV-cache size in GiB
+            (`VLLM_CPU_KVCACHE_SPACE`).
+
+    Under truncated sampling (top-k/top-p/min-p) vLLM reports log-probs on the sampled support only: set
+    `rollout_logprobs_support="sampled"` (the trainer then renormalizes π_old over the replayed support).
+    """
+
+    def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: float = 1.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        s = self._settings
+        g = s.generation_kwargs
+        truncated = (g.get("top_k") or 0) > 0 or (g.get("top_p") or 1.0) < 1.0 or (g.get("min_p") or 0.0) > 0.0
+        if truncated and s.record_logprobs and s.support == "full":
+            raise ValueError(
+                "rollout_logprobs_support='full' with VLLMRolloutWorker and truncated sampling (top_k/top_p/min_p): "
+                "vLLM reports the log-probs of the truncated distribution only; set rollout_logprobs_support="
+                "'sampled'"
+            )
+        # read by cpu_rollout._worker_main in the spawned process (the settings are pickled with it)
+        s.loop_class = _VLLMWorkerLoop
+        s.vllm = {"max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
+
+
+class _EngineWeights:
+    """The engine's model seen as `_WorkerLoop` sees its policy copy: `load_state_dict` loads through vLLM."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = False) -> tuple[list[str], list[str]]:
+        # vLLM's load_weights takes checkpoint names (it fuses q/k/v, gate/up itself) and raises on unknown ones
+        self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(state.items())
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the previous weights
+        return [], []
+
+
+class _VLLMWorkerLoop(_WorkerLoop):
+    def load(self) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model takes weights
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.s.vllm["kv_cache_gib"]))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        silence_trl_vllm_version_warning()
+        use_reloadable_cpu_linear()
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=self.s.model_path,
+            tokenizer=self.s.model_path,
+            dtype=self.s.dtype,
+            max_model_len=self.s.vllm["max_model_len"],
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            seed=0,
+        )
+        self.model = _EngineWeights(self.llm)
+        eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(eos)]
+
+    def _sampling_params(self) -> Any:
+        from vllm import SamplingParams
+
+        g = self.s.generation_kwargs
+        return SamplingParams(
+            n=self.s.num_generations,
+            temperature=g["temperature"],
+            top_p=g.get("top_p") or 1.0,
+            top_k=g.get("top_k") or 0,
+            min_p=g.get("min_p") or 0.0,
+            repetition_penalty=g.get("repetition_penalty") or 1.0,
+            max_tokens=g["max_new_tokens"],
+            stop_token_ids=list(set(self.eos_ids)),
+            logprobs=0,
+        )
+
+    @torch.no_grad()
+    def _generate_batch(self) -> list:
+        s, tok = self.s, self.s.tokenizer
+        rows = [s.prompts[(self.next_prompt + i) % len(s.prompts)] for i in range(s.groups_per_batch)]
+        self.next_prompt += len(rows)
+        version = self.version
+        texts = [_prompt_text(tok, row["prompt"], s.chat_template_kwargs) for row in rows]
+        # the layout _score_group reads the prompt ids from (each prompt repeated num_generations times)
+        encoded = tok([t for t in texts for _ in range(s.num_generations)], return_tensors="pt", padding=True,
+                      padding_side="left", add_special_tokens=False)  # fmt: skip
+        prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
+        outputs = self.llm.generate(prompts, self._sampling_params(), use_tqdm=False)
+        completions, logprobs = [], []
+        for output in outputs:
+            for sample in output.outputs:
+                ids = _cut_at_eos(list(sample.token_ids), self.eos_ids)
+                completions.append(ids)
+                logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs)])
+        recorded = (logprobs, None) if s.record_logprobs else None
+        samples = []
+        for g, row in enumerate(rows):
+            index = range(g * s.num_generations, (g + 1) * s.num_generations)
+            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
+        return samples
