@@ -186,20 +186,23 @@ def run_async(model_dir: str, out_dir: str) -> dict:
 
 def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
     """The worker's engine loop, run here once training is over: its engine's log-probs of a fixed sequence before
-    and after the trained weights arrive the way `QueueWeightTransfer` sends them, against transformers' (float32)."""
-    import queue
+    and after the trained weights arrive the way `QueueWeightTransfer` sends them (`LatestWeights.publish`), against
+    transformers' (float32)."""
+    import multiprocessing
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_rlloss.trainer.async_.channel import LatestWeights
     from hf_rlloss.trainer.async_.vllm_rollout import _VLLMWorkerLoop
 
-    loop = _VLLMWorkerLoop(worker._settings, None, None, queue.Queue(), None, SimpleNamespace(value=0.0))
+    weights = LatestWeights(multiprocessing.get_context("spawn"))
+    loop = _VLLMWorkerLoop(worker._settings, None, None, weights, None, SimpleNamespace(value=0.0))
     loop.load()
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok("Q03: add 3+3 = 6 and then 7", add_special_tokens=False)["input_ids"]
     before = _vllm_logprobs(loop.llm, ids)
-    loop.weights_queue.put((1, state))
+    weights.publish(1, iter(state.items()))
     loop._apply_weights(block=False)
     after = _vllm_logprobs(loop.llm, ids)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
