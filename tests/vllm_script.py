@@ -27,28 +27,17 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _trainer_utils import make_dataset, reward_digit, reward_length  # noqa: E402
+from _trainer_utils import BASE_ARGS, make_dataset, reward_digit, reward_length  # noqa: E402
 
 STEPS = 3
-ARGS = dict(
-    use_cpu=True,
-    bf16=False,
-    report_to="none",
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    activation_checkpointing=False,
-    logging_steps=1,
-    save_strategy="no",
-    learning_rate=1e-2,  # large (Adam), so that a step changes the log-probs well beyond vLLM's bf16 rounding
-    disable_tqdm=True,
-    seed=0,
-    dataloader_num_workers=0,
-    max_steps=STEPS,
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_max_model_length=128,
-)
+ARGS = {
+    **BASE_ARGS,
+    "learning_rate": 1e-2,  # large (Adam), so that a step changes the log-probs well beyond vLLM's bf16 rounding
+    "max_steps": STEPS,
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_max_model_length": 128,
+}
 
 
 def _logs(trainer) -> list[dict]:

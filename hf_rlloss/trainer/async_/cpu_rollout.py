@@ -374,15 +374,30 @@ class _WorkerLoop:
                 self.heartbeat.value = time.time()  # waiting on the trainer is not a stall
                 self._apply_weights(block=False)
 
-    @torch.no_grad()
-    def _generate_batch(self) -> list[RolloutSample]:
+    def _next_prompts(self) -> tuple[list[dict], list[str], Any]:
+        """The next `groups_per_batch` prompt rows, their texts, and the texts tokenized with each repeated
+        `num_generations` times, left padded: the layout `_score_group` reads the prompt ids from."""
         s, tok = self.s, self.s.tokenizer
         rows = [s.prompts[(self.next_prompt + i) % len(s.prompts)] for i in range(s.groups_per_batch)]
         self.next_prompt += len(rows)
-        version = self.version
         texts = [_prompt_text(tok, row["prompt"], s.chat_template_kwargs) for row in rows]
         encoded = tok([t for t in texts for _ in range(s.num_generations)], return_tensors="pt", padding=True,
                       padding_side="left", add_special_tokens=False)  # fmt: skip
+        return rows, texts, encoded
+
+    def _score_groups(self, rows, encoded, completions, recorded, version) -> list[RolloutSample]:
+        """Each prompt's `num_generations` completions (consecutive in `completions`) scored as one group."""
+        samples = []
+        for g, row in enumerate(rows):
+            index = range(g * self.s.num_generations, (g + 1) * self.s.num_generations)
+            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
+        return samples
+
+    @torch.no_grad()
+    def _generate_batch(self) -> list[RolloutSample]:
+        s, tok = self.s, self.s.tokenizer
+        rows, _, encoded = self._next_prompts()
+        version = self.version
         recorder = SampledTokenLogprobs()
         with recording_logprobs(self.model, recorder), sharing_prompts(self.model, s.shared_prompt_generation):
             out = self.model.generate(
@@ -391,11 +406,7 @@ class _WorkerLoop:
         prompt_len = encoded["input_ids"].shape[1]
         completions = [_cut_at_eos(ids, self.eos_ids) for ids in out[:, prompt_len:].tolist()]
         recorded = recorder.per_completion(completions, s.support) if s.record_logprobs else None
-        samples = []
-        for g, row in enumerate(rows):
-            index = range(g * s.num_generations, (g + 1) * s.num_generations)
-            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
-        return samples
+        return self._score_groups(rows, encoded, completions, recorded, version)
 
     def _score_group(self, row, encoded, completions, index, recorded, version) -> list[RolloutSample]:
         s, tok = self.s, self.s.tokenizer

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
-from .cpu_rollout import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _prompt_text, _WorkerLoop
+from .cpu_rollout import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _WorkerLoop
 
 __all__ = ["VLLMRolloutWorker"]
 
@@ -111,13 +111,8 @@ class _VLLMWorkerLoop(_WorkerLoop):
     @torch.no_grad()
     def _generate_batch(self) -> list:
         s, tok = self.s, self.s.tokenizer
-        rows = [s.prompts[(self.next_prompt + i) % len(s.prompts)] for i in range(s.groups_per_batch)]
-        self.next_prompt += len(rows)
+        rows, texts, encoded = self._next_prompts()
         version = self.version
-        texts = [_prompt_text(tok, row["prompt"], s.chat_template_kwargs) for row in rows]
-        # the layout _score_group reads the prompt ids from (each prompt repeated num_generations times)
-        encoded = tok([t for t in texts for _ in range(s.num_generations)], return_tensors="pt", padding=True,
-                      padding_side="left", add_special_tokens=False)  # fmt: skip
         prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
         outputs = self.llm.generate(prompts, self._sampling_params(), use_tqdm=False)
         completions, logprobs = [], []
@@ -127,8 +122,4 @@ class _VLLMWorkerLoop(_WorkerLoop):
                 completions.append(ids)
                 logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs)])
         recorded = (logprobs, None) if s.record_logprobs else None
-        samples = []
-        for g, row in enumerate(rows):
-            index = range(g * s.num_generations, (g + 1) * s.num_generations)
-            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
-        return samples
+        return self._score_groups(rows, encoded, completions, recorded, version)
