@@ -62,7 +62,18 @@ def test_site_builds_in_strict_mode(tmp_path):
     notebook = (site / "notebooks" / "01_subclassing_the_trainer" / "index.html").read_text(encoding="utf8")
     assert "all checks passed" in notebook and "data:image/png;base64" in notebook
     assert "all checks passed" in (site / "notebooks" / "02_the_loss_layer" / "index.html").read_text(encoding="utf8")
+    _check_in_page_anchors(site)
     print(f"mkdocs build --strict: {seconds:.1f} s")
+
+
+def _check_in_page_anchors(site: Path) -> None:
+    """Every `href="#x"` of a rendered page (its table of contents included) has an element `id="x"` on that page:
+    mkdocs --strict checks links between pages, not the anchors a plugin (the notebooks') writes itself."""
+    for page in site.rglob("index.html"):
+        html = page.read_text(encoding="utf8")
+        ids = set(re.findall(r'id="([^"]+)"', html))
+        dead = sorted({a for a in re.findall(r'href="#([^"]+)"', html) if a not in ids})
+        assert not dead, f"{page.relative_to(site)}: links to anchors the page does not have: {dead[:5]}"
 
 
 def _check_api_reference(site: Path) -> None:
