@@ -4,7 +4,9 @@ Each family of `_architectures.FAMILIES` (a tiny random 2-layer model, built in 
 the trainer's forwards in every packing (`RLLossGRPOConfig.packing`): the per-token log-probs and the gradients of
 the loss are compared with `off` on one process, and `off` with each row alone through the model's own forward. A
 family whose layers a packed row is not exact for (`hf_rlloss.parallel.layouts`) must fall back, with the reason
-`EXPECTED_FALLBACK` names; under sequence parallelism it is refused before the first step. Every family of
+`EXPECTED_FALLBACK` names. Under sequence parallelism every family is refused before the first step with the reason
+`SP_REFUSED` names, or runs with sp_size=2 (`test_sequence_parallel_matrix`, one 2-process launch,
+HF_RLLOSS_FULL_MATRIX=1) against `off` on one process. Every family of
 transformers' causal-LM mapping is either in the matrix or named in `NOT_IN_MATRIX` with its reason, so a new family
 in a future transformers fails `test_every_causal_lm_family_is_classified` until it is classified. The families of
 `FULL_MATRIX_FAMILIES` (built from transformers' defaults) run with HF_RLLOSS_FULL_MATRIX=1.
