@@ -27,7 +27,8 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from hf_rlloss.loss.chunked_logprobs import chunked_objective
 from hf_rlloss.parallel import layouts
-from hf_rlloss.parallel.layouts import attention_dropout, zero_attention_dropout
+from hf_rlloss.parallel.layouts import attention_dropout, switch_attention, zero_attention_dropout
+from hf_rlloss.parallel.ulysses import register_ulysses_attention, ulysses_sequence_parallel, use_ulysses_attention
 from hf_rlloss.trainer.common.forwards import LossLayerForwards
 from hf_rlloss.trainer.common.lm_head import (
     causal_lm,
@@ -37,6 +38,7 @@ from hf_rlloss.trainer.common.lm_head import (
     logit_scale,
 )
 from hf_rlloss.trainer.common.packing import prepare_packing
+from hf_rlloss.trainer.common.sp_batch import SPMicroBatch
 
 VOCAB = 64
 PAD = 0
@@ -156,11 +158,19 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def batch() -> dict[str, torch.Tensor]:
+def batch(truncated: bool = True) -> dict[str, torch.Tensor]:
+    """The matrix's micro-batch; with `truncated=False` row 4's completion is kept (see `SP_BATCHES`)."""
     return {
-        "prompt_ids": PROMPTS, "prompt_mask": (PROMPTS != PAD).long(),
-        "completion_ids": COMPLETIONS, "completion_mask": COMPLETION_MASK,
+        "prompt_ids": PROMPTS, "prompt_mask": (PROMPTS != PAD).long(), "completion_ids": COMPLETIONS,
+        "completion_mask": COMPLETION_MASK if truncated else (COMPLETIONS != PAD).long(),
     }  # fmt: skip
+
+
+# The micro-batches of the sequence-parallel cells (`run_sp_cell`), name -> `truncated`. sp_size=2 splits a packed
+# row in halves: the matrix's own batch packs into 18 (padding_free) and 14 (shared_prefix) positions whose halves
+# end at a sequence boundary, so no sequence is split over the ranks; with row 4's completion kept they are 22 and
+# 18, and a sequence straddles the two shards in both layouts (attention and positions across ranks).
+SP_BATCHES = {"matrix": True, "straddling": False}
 
 
 def weights() -> torch.Tensor:  # (B, C): the loss's fixed random weight of each completion token
@@ -199,12 +209,12 @@ def _head(model, hidden, labels, w=None):  # (n, H) -> (n,) log-probs, or the di
     return value
 
 
-def run_cell(model, mode: str, router: bool = False) -> dict:
+def run_cell(model, mode: str, router: bool = False, truncated: bool = True) -> dict:
     """One forward and backward of the micro-batch laid out as `mode`, through the trainer's code. Returns the
     `(B, C)` log-probs (0 where masked) and the parameters' gradients of `Σ w · log p`; with `router`, of that plus
     the MoE router loss (the model's `load_balancing_loss_func`, as `_loss_forward_with_router_aux`), and its value."""
     model.zero_grad(set_to_none=True)
-    data = batch()
+    data = batch(truncated)
     out = _Forwards(mode)._completion_hidden_states(model, data, output_router_logits=router)
     hidden, router_logits, router_mask, _ = out
     mask = data["completion_mask"].bool()
@@ -242,6 +252,61 @@ def alone(model) -> dict:
         total = total + (row * w[b, mask[b]]).sum()
     total.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"logps": logps, "grads": grads}
+
+
+def reference_cell(family: str, truncated: bool = True) -> dict:
+    """`run_cell` of `off` on one process, the matrix's reference: TRL's `disable_dropout`, then no attention dropout
+    at all (`zero_attention_dropout`), as `matrix_row` computes it."""
+    model = tiny_model(family)
+    disable_dropout_in_model(model)
+    zero_attention_dropout(model)
+    return run_cell(model, "off", truncated=truncated)
+
+
+def sp_model(family: str, sp_size: int, force: bool = False) -> torch.nn.Module:
+    """The tiny model of `family` as `RLLossGRPOTrainer` prepares it for `sp_size > 1` with `disable_dropout=True`:
+    TRL's `disable_dropout_in_model`, then `use_ulysses_attention` (which refuses what the rule refuses). `force`
+    switches to the Ulysses attention without the rule's check, to measure a family the rule refuses."""
+    model = tiny_model(family)
+    disable_dropout_in_model(model)
+    lm = causal_lm(model)
+    if force:
+        switch_attention(lm, register_ulysses_attention(), f"sp_size={sp_size}: {family}, forced")
+    else:
+        use_ulysses_attention(lm, sp_size, "the policy")
+    return model
+
+
+def run_sp_cell(model, mode: str, sp_mesh, truncated: bool = True) -> dict:
+    """`run_cell` under sequence parallelism (collective over `sp_mesh`): the micro-batch packed as `mode` by the
+    trainer's `_sp_layout`, each rank forwarding its shard (`SPMicroBatch`, `_sp_hidden_states`: the Ulysses
+    attention) and projecting its share of the completion tokens (`term_hidden`), forward and backward inside
+    `ulysses_sequence_parallel` as the trainer's `training_step`. The loss `Σ w · log p` is the sum of the ranks'
+    shares, so its gradient is the sum of the ranks' gradients (the all-reduce DDP would do, without its averaging);
+    the log-probs are gathered (`SPMicroBatch.gather`, as `_block_logps`). Returns the same `(B, C)` log-probs and
+    gradients as `run_cell`, on every rank."""
+    model.zero_grad(set_to_none=True)
+    data = batch(truncated)
+    forwards = _Forwards(mode)
+    forwards.sp_mesh, forwards.args = sp_mesh, SimpleNamespace(packing=mode)
+    mask = data["completion_mask"].bool()
+    ignore = -100
+    with ulysses_sequence_parallel(sp_mesh):
+        micro_batch = SPMicroBatch.from_layout(forwards._sp_layout(data), sp_mesh, PAD)
+        hidden = micro_batch.term_hidden(forwards._sp_hidden_states(model, micro_batch))[0]  # (M_local, H)
+        labels = micro_batch.shard(data["completion_ids"].masked_fill(~mask, ignore), ignore)[0]  # (M_local,)
+        w = micro_batch.shard(weights(), 0.0)[0]
+        valid = labels != ignore
+        local = torch.zeros(labels.shape[0], 1)
+        local[valid, 0] = _head(model, hidden[valid], labels[valid]).float()
+        logps = micro_batch.gather(local.unsqueeze(0), tuple(mask.shape))[..., 0]
+        _head(model, hidden[valid], labels[valid], w[valid]).backward()
+    grads = {}
+    for name, p in model.named_parameters():  # every parameter, in one order on every rank (an expert may be idle)
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        torch.distributed.all_reduce(grad, group=sp_mesh.get_group())
+        grads[name] = grad
     return {"logps": logps, "grads": grads}
 
 
