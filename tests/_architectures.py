@@ -274,7 +274,7 @@ def sp_model(family: str, sp_size: int, force: bool = False) -> torch.nn.Module:
     if force:
         switch_attention(lm, register_ulysses_attention(), f"sp_size={sp_size}: {family}, forced")
     else:
-        use_ulysses_attention(lm, sp_size, "the policy")
+        use_ulysses_attention(lm, sp_size, "the policy", disable_dropout=True)
     return model
 
 

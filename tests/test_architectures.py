@@ -72,10 +72,6 @@ _SLIDING = "sliding windows, which the Ulysses attention does not take"
 SP_REFUSED = {
     **EXPECTED_FALLBACK,
     **dict.fromkeys(("mistral", "gemma2", "gemma3_text", "cohere2", "gpt_oss", "exaone4", "starcoder2"), _SLIDING),
-    # Every layer of qwen2_moe is full attention (`layer_types`), but its config keeps `sliding_window=0` (with
-    # `use_sliding_window=False`), which the rule reads as a window: a refusal it does not need. Forced onto the
-    # Ulysses attention it is exact (`test_sequence_parallel_matrix`, "forced:qwen2_moe").
-    "qwen2_moe": f"{_SLIDING} (sliding_window=0)",
 }
 SP_FAMILIES = [family for family in FAMILIES if family not in SP_REFUSED]
 
@@ -216,6 +212,18 @@ def test_sequence_parallel_is_refused_where_it_is_not_exact(family):
         use_ulysses_attention(model, 2, "the policy")
     assert SP_REFUSED[family] in str(refusal.value), (family, str(refusal.value))
     assert model.config._attn_implementation != "ulysses_sdpa"
+
+
+def test_sequence_parallel_zeroes_attention_dropout_with_disable_dropout():
+    """GPTBigCode keeps its attention dropout as a float on the module (TRL's `disable_dropout` leaves it at 0.1):
+    under SP with `disable_dropout=True` it is zeroed, else the Ulysses attention would drop attention weights (its
+    SP cells differed by 0.6-0.9 of the gradients' scale); without `disable_dropout` it is the model's to apply."""
+    kept = causal_lm(tiny_model("gpt_bigcode"))
+    use_ulysses_attention(kept, 2, "the policy")
+    assert attention_dropout(kept), "the float dropout is there to be zeroed"
+    zeroed = causal_lm(tiny_model("gpt_bigcode"))
+    use_ulysses_attention(zeroed, 2, "the policy", disable_dropout=True)
+    assert attention_dropout(zeroed) == {} and zeroed.config._attn_implementation == "ulysses_sdpa"
 
 
 def test_attention_dropout_under_every_name_falls_back_or_is_zeroed():
@@ -509,14 +517,10 @@ def test_full_architecture_matrix(family):
 
 SP_SCRIPT = Path(__file__).resolve().parent / "dist_architectures_sp_script.py"
 SP_TIMEOUT = 600  # seconds for the one launch: about 1 minute on 2 shared cores (startup, then ~1 s a family)
-SP_FORCED = ("qwen2_moe",)  # refused by the rule (see SP_REFUSED), run anyway to measure the refusal
+SP_FORCED = ()  # families the rule refuses, run anyway to measure the refusal (`--force`): none at present
 SP_BROKEN = ("llama", "gpt2")  # RoPE (relative positions) and learned absolute positions
 # Families the rule allows under SP whose SP cells are not exact: open findings (xfail, not strict), measured.
-SP_OPEN = {
-    "gpt_bigcode": "under SP the Ulysses attention applies GPTBigCode's attention dropout (attn_dropout=0.1, a float "
-    "on the attention module that TRL's disable_dropout leaves; the packed layouts zero it, SP does not): "
-    "Δ log p 6e-3 to 1e-2, Δ grad 0.6 to 0.9 of the gradients' scale (random: dropout); zeroed, it is exact",
-}
+SP_OPEN: dict[str, str] = {}
 # Tolerances: the matrix's (`LOGP_ATOL`, `GRAD_RTOL`, derived in tests/_architectures.py from float32 round-off).
 # Sequence parallelism moves values without arithmetic (the all-to-alls between sequence and head shards, the
 # all-gather of the last hidden states) and attends each sequence with the same per-segment SDPA as the packed

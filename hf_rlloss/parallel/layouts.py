@@ -115,7 +115,8 @@ def _config_mixers(text_config) -> dict[str, str]:
     for layer_type in getattr(text_config, "layer_types", None) or ():
         kind = _LAYER_TYPES.get(layer_type, "unknown")
         found.setdefault(kind, f"layer_types has {layer_type!r}")
-    if getattr(text_config, "sliding_window", None) is not None:
+    # a window of 0 or one switched off (`use_sliding_window=False`, Qwen2-MoE keeps `sliding_window=0`) is none
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True) is not False:
         found.setdefault("sliding_attention", f"sliding_window={text_config.sliding_window}")
     if getattr(text_config, "attention_chunk_size", None):
         found.setdefault("chunked_attention", f"attention_chunk_size={text_config.attention_chunk_size}")

@@ -11,10 +11,13 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers.utils import logging
 
-from .layouts import model_layouts, switch_attention
+from .layouts import model_layouts, switch_attention, zero_attention_dropout
 from .sequence import sp_gather, sp_group, sp_world_size
 from .tree_attention import tree_attention
+
+logger = logging.get_logger(__name__)
 
 ULYSSES_ATTENTION = "ulysses_sdpa"
 # Attention implementations the Ulysses attention can stand in for (it runs SDPA on whole sequences).
@@ -175,9 +178,13 @@ def register_ulysses_attention() -> str:
     return ULYSSES_ATTENTION
 
 
-def use_ulysses_attention(lm: nn.Module, group_size: int, what: str) -> None:
+def use_ulysses_attention(lm: nn.Module, group_size: int, what: str, disable_dropout: bool = False) -> None:
     """Check that the causal LM `lm` can run under Ulysses SP over `group_size` ranks and switch it to the
-    `"ulysses_sdpa"` attention (plain SDPA outside `ulysses_sequence_parallel`). `what` names it in the errors."""
+    `"ulysses_sdpa"` attention (plain SDPA outside `ulysses_sequence_parallel`). `what` names it in the errors.
+
+    `disable_dropout=True` (TRL's option, which zeroes `nn.Dropout` modules only) also zeroes the attention dropout
+    kept as a float or config field (`attn_pdrop`, GPTBigCode's `attn_dropout`, ...), which the Ulysses attention
+    would otherwise apply."""
     sp = group_size
     name = type(lm).__name__
     config = lm.config.get_text_config()
@@ -198,4 +205,7 @@ def use_ulysses_attention(lm: nn.Module, group_size: int, what: str) -> None:
         raise ValueError(
             f"sp_size={sp}: {what} ({name}) cannot be split over the ranks of an SP group exactly: {layouts.reason}"
         )
+    if disable_dropout and (zeroed := zero_attention_dropout(lm)):
+        where = ", ".join(f"{k}={v}" for k, v in zeroed.items())
+        logger.warning(f"sp_size={sp}: {what}'s attention dropout zeroed ({where}), as disable_dropout=True asks")
     switch_attention(lm, register_ulysses_attention(), f"sp_size={sp}: {what} ({name})")

@@ -260,7 +260,8 @@ class RLLossGRPOTrainer(
             source = load_reference(source, self.args, defaults, {"device_map": None} if distributed else {})
         check_model_supported(source, self.rl_loss_config.logit_softcapping)
         if self.sp_mesh is not None:
-            use_ulysses_attention(causal_lm(source), self.args.sp_size, "the reference model")
+            reference = causal_lm(source)
+            use_ulysses_attention(reference, self.args.sp_size, "the reference model", self.args.disable_dropout)
         if self._packing != "off":
             use_packed_attention(causal_lm(source))
         return prepare_reference(source, self)

@@ -38,7 +38,7 @@ class SequenceParallelBatches:
                 "sp_size > 1 is RLLossGRPOTrainer's own Ulysses sequence parallelism: do not also enable Accelerate's "
                 "ParallelismConfig sp_size/cp_size (DeepSpeed ALST / context parallelism)"
             )
-        use_ulysses_attention(causal_lm(unwrapped), self.args.sp_size, "the policy")
+        use_ulysses_attention(causal_lm(unwrapped), self.args.sp_size, "the policy", self.args.disable_dropout)
         self.sp_mesh = build_sp_mesh(self.args.sp_size, device_type=self.accelerator.device.type)
 
     # TRL override points
