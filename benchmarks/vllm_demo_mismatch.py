@@ -59,8 +59,8 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, steps in runs.items():
         x = [s["step"] for s in steps]
-        axes[0].plot(x, [s["mismatch/mismatch_logprob_abs_diff"] for s in steps], label=name)
-        axes[1].plot(x, [s.get("rewards/accuracy_reward/mean", float("nan")) for s in steps], label=name)
+        axes[0].plot(x, [s["mismatch/mismatch_logprob_abs_diff"] for s in steps], "o-", label=name)
+        axes[1].plot(x, [s.get("rewards/accuracy_reward/mean", float("nan")) for s in steps], "o-", label=name)
     axes[0].set(title="rollout mismatch: mean |Δ log p| per token", xlabel="step", yscale="log")
     axes[1].set(title="accuracy reward", xlabel="step")
     axes[0].legend(fontsize=8)
