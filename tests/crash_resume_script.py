@@ -129,7 +129,7 @@ def _forked_rank(rank: int, world_size: int, port: int, out: str, kill: tuple, f
         os._exit(code)
 
 
-def launch(out: str, world_size: int, kill_step=None, kill_rank=0, fault=None, timeout=120.0, sp_size=1) -> dict:
+def launch(out: str, world_size: int, kill_step=None, kill_rank=0, fault=None, timeout=300.0, sp_size=1) -> dict:
     """Run `train_run` in `world_size` processes forked from this one (gloo, no launcher: a rank whose peer died
     must leave by itself). Returns ``{"codes": [exit code or -signal per rank], "seconds": [time each took],
     "logs": [each rank's output]}``; kills every rank and raises `TimeoutError` after `timeout` s."""
