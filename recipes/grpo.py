@@ -26,6 +26,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import hub_origin, resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
+from hf_rlloss.recipe_support.cpu_precision import FALLBACK_NOTE, needs_float32_fallback
 from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
@@ -53,6 +54,9 @@ class GRPOScriptArguments(ScriptArguments):
         plot (`bool`, *optional*, defaults to `True`): write `metrics.jsonl` and `training_curves.png`.
         cpu_threads (`int`, *optional*): torch threads of a single CPU process; defaults to every core the process
             may run on (`accelerate launch` sets `OMP_NUM_THREADS=1` unless told otherwise).
+        cpu_bf16_fallback (`bool`, *optional*, defaults to `True`): train in float32 when `bf16` is asked for on a
+            CPU without AVX-512, where bf16 autocast runs on slow reference kernels
+            (`hf_rlloss.recipe_support.cpu_precision`); one line says so.
     """
 
     dataset_name: str = field(default=ARITHMETIC, metadata={"help": "builtin:arithmetic or a hub dataset/path"})
@@ -66,6 +70,9 @@ class GRPOScriptArguments(ScriptArguments):
     answer_column: str = field(default="answer", metadata={"help": "answer column of a hub dataset"})
     plot: bool = field(default=True, metadata={"help": "write metrics.jsonl and training_curves.png"})
     cpu_threads: int | None = field(default=None, metadata={"help": "torch threads of a single CPU process"})
+    cpu_bf16_fallback: bool = field(
+        default=True, metadata={"help": "float32 instead of bf16 on a CPU without AVX-512 (slow bf16 kernels)"}
+    )
 
 
 def load_data(script_args: GRPOScriptArguments, seed: int) -> datasets.DatasetDict:
@@ -211,6 +218,13 @@ def parse_args(argv: list[str] | None = None, types: tuple[type, ...] | None = N
         raise ValueError(f"unknown key(s) {unknown} (close matches: {hints}); valid keys: {', '.join(valid)}")
     if from_cli:
         raise ValueError(f"unexpected argument(s) {from_cli}: pass options as --key value")
+    script_args, training_args = parsed[0], parsed[1]
+    if needs_float32_fallback(training_args.bf16, training_args.use_cpu, script_args.cpu_bf16_fallback):
+        # Parsed again with bf16 off, so that the config resolves its precision (and the launcher's) from the start
+        print(FALLBACK_NOTE.format(capability=torch.backends.cpu.get_cpu_capability()), file=sys.stderr, flush=True)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        argv = list(sys.argv[1:] if argv is None else argv) + ["--bf16", "false"]
+        return parse_args(argv, types)
     return parsed
 
 
