@@ -31,6 +31,7 @@ from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
 from hf_rlloss.trainer.sync.checkpoints import latest_complete_checkpoint
+from hf_rlloss.trainer.sync.vllm import shutdown_vllm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +188,10 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     if trainer.accelerator.is_main_process:
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
-    # Stage 7: end cleanly: trackers finished, every process group destroyed (Accelerate's end of script)
+    # Stage 7: end cleanly: a colocated vLLM engine shut down, trackers finished, every process group destroyed
     trainer.accelerator.wait_for_everyone()
     several = trainer.accelerator.num_processes > 1
+    shutdown_vllm_engine(trainer)  # before the groups it uses are destroyed
     trainer.accelerator.end_training()
     # A finished rank could still abort in the interpreter's teardown ("terminate called without an active
     # exception", seen once in CI after the groups were destroyed): skip that teardown. The known mechanism is gloo's
