@@ -1,0 +1,115 @@
+"""Resuming `RLLossAsyncGRPOTrainer` with `HFGenerateRolloutWorker` from a checkpoint (`async_/resume.py`).
+
+* With `fixed_lag` the policy version of each batch is a function of its index, so a run is repeatable: interrupted
+  at a checkpoint and resumed, it trains bit-exactly the parameters of the uninterrupted run, from the same samples
+  (prompts, completions, log-probs, versions).
+* Without it, the resumed worker still starts at the first untrained prompt, and the version counter goes on.
+
+The worker's loop runs in a thread of the test's process (`ThreadedWorker`: the same loop, channels and weight
+transfer as the spawned process, without a Python start-up per run).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from _async import ASYNC_ARGS, save_tiny_policy
+from _trainer_utils import make_dataset, make_tokenizer, reward_length, trainable_snapshot
+from transformers import AutoModelForCausalLM
+
+from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
+from hf_rlloss.trainer.async_.cpu_rollout import (
+    HFGenerateRolloutWorker,
+    QueueWeightTransfer,
+    _worker_main,
+    version_for_batch,
+)
+
+torch.set_num_threads(1)
+
+SGD = dict(optim="sgd", learning_rate=0.05, max_grad_norm=0.0, lr_scheduler_type="constant")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
+
+
+class ThreadedWorker(HFGenerateRolloutWorker):
+    """`HFGenerateRolloutWorker` whose loop runs in a thread; records every sample the trainer pulls."""
+
+    def start(self) -> None:
+        self.pulled = []
+        get = self.rollout_buffer.get
+
+        def recording_get(*args, **kwargs):
+            sample = get(*args, **kwargs)
+            self.pulled.append(sample)
+            return sample
+
+        self.rollout_buffer.get = recording_get
+        self._heartbeat.value = time.time()
+        self._process = threading.Thread(
+            target=_worker_main,
+            args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights, self._stop,
+                  self._ready, self._failed, self._errors, self._heartbeat),
+            daemon=True,
+        )  # fmt: skip
+        self._process.start()
+        if not self._ready.wait(timeout=120):
+            raise RuntimeError("the worker thread did not load its policy")
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._stop.set()
+            self._process.join(timeout=60)
+            self._process = None
+
+
+def _train(policy, tok, out, steps, fixed_lag, resume=None):
+    args = RLLossAsyncGRPOConfig(
+        output_dir=str(out), max_steps=steps, save_steps=2, queue_maxsize=8, heartbeat_stale_after_s=120,
+        rl_loss={"rollout_is": {"level": "token", "upper": 2.0}},
+        **{**ASYNC_ARGS, **SGD, "max_staleness": 1, "save_strategy": "steps"},
+    )  # fmt: skip
+    worker = ThreadedWorker(policy, make_dataset(), [reward_length], tok, args, fixed_lag=fixed_lag)
+    trainer = RLLossAsyncGRPOTrainer(policy, [reward_length], args, make_dataset(), tok, rollout_worker=worker,
+                                     weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    pulled = [(worker.start_group + s.group_id, s.prompt, s.model_version, s.input_ids.tolist(),
+               s.old_log_probs.tolist()) for s in worker.pulled]  # fmt: skip
+    return trainer, trainable_snapshot(trainer.model), pulled
+
+
+def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path):
+    """4 steps uninterrupted (checkpoints at 2 and 4) against 2 steps resumed from checkpoint-2: the same samples
+    from the first untrained prompt on (each batch sampled from the policy one step older than its step's: batch 2
+    from version 2, older than the checkpoint's version 3, which the checkpoint saves), and equal parameters."""
+    full, full_params, full_pulled = _train(policy, tok, tmp_path / "full", 4, fixed_lag=1)
+    start = trainable_snapshot(AutoModelForCausalLM.from_pretrained(policy))
+    state = json.loads((tmp_path / "full" / "checkpoint-2" / "rollout_state.json").read_text())
+    # one prompt per step: 2 trained (the prompt pulled ahead for step 3 is not); versions 1 (cold sync) + 2 syncs
+    assert state["prompt_index"] == 2 and state["model_version"] == 3
+    assert sorted(state["rollout_weights"]) == ["2", "3"]  # batch 2 is sampled from version 2, batch 3 from 3
+    assert [s[2] for s in full_pulled[::4]] == [version_for_batch(b, 1, 1) for b in range(len(full_pulled) // 4)]
+
+    resumed, resumed_params, resumed_pulled = _train(
+        policy, tok, tmp_path / "resumed", 4, fixed_lag=1, resume=str(tmp_path / "full" / "checkpoint-2")
+    )
+    assert resumed.state.global_step == 4
+    after = [s for s in full_pulled if s[0] >= state["prompt_index"]]
+    assert len(resumed_pulled) >= 8 and resumed_pulled == after[: len(resumed_pulled)]
+    prompts = make_dataset()["prompt"]
+    assert [s[1] for s in resumed_pulled[::4]] == prompts[2 : 2 + len(resumed_pulled) // 4]
+    assert full_params.keys() == resumed_params.keys() == start.keys()
+    assert max((full_params[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved them
+    assert all(torch.equal(full_params[k], resumed_params[k]) for k in full_params)
