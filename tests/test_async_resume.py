@@ -113,3 +113,14 @@ def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path):
     assert full_params.keys() == resumed_params.keys() == start.keys()
     assert max((full_params[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved them
     assert all(torch.equal(full_params[k], resumed_params[k]) for k in full_params)
+    assert resumed.model_version == full.model_version == 5
+    # the loss layer's metrics of steps 3-4 (the resumed run's history holds steps 1-2 from the checkpoint); TRL's
+    # collator metrics (`reward`) also count the micro-batch pulled ahead, which a resumed run pulls twice
+    keys = ("loss/total", "async/version_lag_mean", "rollout_is/mean", "train_policy/valid_tokens")
+    full_logs, resumed_logs = _step_logs(full), _step_logs(resumed)
+    assert len(full_logs) == len(resumed_logs) == 4
+    assert [[log[k] for k in keys] for log in full_logs] == [[log[k] for k in keys] for log in resumed_logs]
+
+
+def _step_logs(trainer):
+    return [log for log in trainer.state.log_history if "loss/total" in log]

@@ -440,6 +440,12 @@ class _WorkerLoop:
         batch = self.next_prompt // self.s.groups_per_batch
         needed = version_for_batch(batch, self.s.fixed_lag, self.s.weight_sync_steps)
         self._read_weights(block=self.received < needed)
+        if 0 < self.weights.version < self.received:  # it would wait for ever for `needed`
+            raise RuntimeError(
+                f"the trainer sent policy version {self.weights.version}, older than version {self.received} the "
+                "worker has: the trainer's version counter does not continue the worker's (a resume that did not "
+                "restore model_version?)"
+            )
         if self.received < needed:
             return False
         while self.pending and self.pending[0][0] < needed:
