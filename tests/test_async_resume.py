@@ -124,3 +124,18 @@ def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path):
 
 def _step_logs(trainer):
     return [log for log in trainer.state.log_history if "loss/total" in log]
+
+
+def test_resume_without_fixed_lag_restores_the_position_and_the_version(policy, tok, tmp_path):
+    """The worker sampling from the newest weights: the resumed worker serves the prompts from the first untrained
+    one, and its samples continue the version counter (the cold sync of the checkpoint's weights is version 4)."""
+    _train(policy, tok, tmp_path / "first", 2, fixed_lag=None)
+    checkpoint = tmp_path / "first" / "checkpoint-2"
+    state = json.loads((checkpoint / "rollout_state.json").read_text())
+    assert state == {"prompt_index": 2, "model_version": 3}
+    resumed, _, pulled = _train(policy, tok, tmp_path / "resumed", 4, fixed_lag=None, resume=str(checkpoint))
+    assert resumed._groups_before_resume == 2  # TRL's epoch count goes on from there
+    groups = [s[0] for s in pulled[::4]]
+    assert len(groups) >= 2 and groups == list(range(2, 2 + len(groups)))
+    assert [s[1] for s in pulled[::4]] == make_dataset()["prompt"][2 : 2 + len(groups)]
+    assert min(s[2] for s in pulled) == 4 and resumed.model_version == 6
