@@ -139,3 +139,41 @@ def test_resume_without_fixed_lag_restores_the_position_and_the_version(policy, 
     assert len(groups) >= 2 and groups == list(range(2, 2 + len(groups)))
     assert [s[1] for s in pulled[::4]] == make_dataset()["prompt"][2 : 2 + len(groups)]
     assert min(s[2] for s in pulled) == 4 and resumed.model_version == 6
+
+
+@pytest.mark.parametrize(
+    "worker_kwargs, options, match",
+    [
+        ({"fixed_lag": 0}, {}, r"fixed_lag=0 must be an integer >= 1"),
+        ({"fixed_lag": 1, "weight_lag": 1}, {}, r"weight_lag=1 and fixed_lag=1: set one of the two"),
+        ({"fixed_lag": 3}, {"max_staleness": 2}, r"fixed_lag=3 .* up to 3 versions old: max_staleness=2"),
+    ],
+)
+def test_fixed_lag_bad_input_on_the_worker(policy, tok, tmp_path, worker_kwargs, options, match):
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **{**ASYNC_ARGS, **options})
+    with pytest.raises(ValueError, match=match):
+        HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, **worker_kwargs)
+
+
+@pytest.mark.parametrize(
+    "worker_kwargs, options, match",
+    [
+        ({"groups_per_batch": 2}, {}, r"one rollout batch per optimizer step: .* = 8 samples, .* = 4"),
+        ({}, {"num_mini_batches": 2}, r"fixed_lag=1 < num_mini_batches=2"),
+    ],
+)
+def test_fixed_lag_bad_input_on_the_trainer(policy, tok, tmp_path, worker_kwargs, options, match):
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **{**ASYNC_ARGS, "max_staleness": 1, **options})
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, fixed_lag=1, **worker_kwargs)
+    with pytest.raises(ValueError, match=match):
+        RLLossAsyncGRPOTrainer(policy, [reward_length], args, make_dataset(), tok, rollout_worker=worker,
+                               weight_transfer=QueueWeightTransfer(worker))  # fmt: skip
+
+
+def test_fixed_lag_resume_from_a_checkpoint_without_its_policy_versions_is_refused(policy, tok, tmp_path):
+    from hf_rlloss.trainer.async_.resume import restore_rollout
+
+    args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **{**ASYNC_ARGS, "max_staleness": 1})
+    worker = HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, fixed_lag=1)
+    with pytest.raises(ValueError, match="has no rollout_weights: it was saved by a worker without fixed_lag"):
+        restore_rollout({"prompt_index": 2, "model_version": 3}, str(tmp_path), worker, QueueWeightTransfer(worker))
