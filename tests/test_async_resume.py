@@ -75,11 +75,11 @@ class ThreadedWorker(HFGenerateRolloutWorker):
             self._process = None
 
 
-def _train(policy, tok, out, steps, fixed_lag, resume=None):
+def _train(policy, tok, out, steps, fixed_lag, resume=None, weight_sync_steps=1):
     args = RLLossAsyncGRPOConfig(
         output_dir=str(out), max_steps=steps, save_steps=2, queue_maxsize=8, heartbeat_stale_after_s=120,
         rl_loss={"rollout_is": {"level": "token", "upper": 2.0}},
-        **{**ASYNC_ARGS, **SGD, "max_staleness": 1, "save_strategy": "steps"},
+        weight_sync_steps=weight_sync_steps, **{**ASYNC_ARGS, **SGD, "max_staleness": 1, "save_strategy": "steps"},
     )  # fmt: skip
     worker = ThreadedWorker(policy, make_dataset(), [reward_length], tok, args, fixed_lag=fixed_lag)
     trainer = RLLossAsyncGRPOTrainer(policy, [reward_length], args, make_dataset(), tok, rollout_worker=worker,
@@ -90,20 +90,24 @@ def _train(policy, tok, out, steps, fixed_lag, resume=None):
     return trainer, trainable_snapshot(trainer.model), pulled
 
 
-def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path):
+@pytest.mark.parametrize("sync", [1, 3], ids=["sync-every-step", "checkpoint-between-syncs"])
+def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path, sync):
     """4 steps uninterrupted (checkpoints at 2 and 4) against 2 steps resumed from checkpoint-2: the same samples
-    from the first untrained prompt on (each batch sampled from the policy one step older than its step's: batch 2
-    from version 2, older than the checkpoint's version 3, which the checkpoint saves), and equal parameters."""
-    full, full_params, full_pulled = _train(policy, tok, tmp_path / "full", 4, fixed_lag=1)
+    from the first untrained prompt on and equal parameters. Each batch is sampled from the policy one step older
+    than its step's: with a sync every step, batch 2 from version 2, older than the checkpoint's version 3; with a
+    sync every 3 steps, batches 0-3 from version 1 (the initial weights), which is not the checkpoint's policy
+    either. The checkpoint saves those versions."""
+    full, full_params, full_pulled = _train(policy, tok, tmp_path / "full", 4, 1, weight_sync_steps=sync)
     start = trainable_snapshot(AutoModelForCausalLM.from_pretrained(policy))
     state = json.loads((tmp_path / "full" / "checkpoint-2" / "rollout_state.json").read_text())
-    # one prompt per step: 2 trained (the prompt pulled ahead for step 3 is not); versions 1 (cold sync) + 2 syncs
-    assert state["prompt_index"] == 2 and state["model_version"] == 3
-    assert sorted(state["rollout_weights"]) == ["2", "3"]  # batch 2 is sampled from version 2, batch 3 from 3
-    assert [s[2] for s in full_pulled[::4]] == [version_for_batch(b, 1, 1) for b in range(len(full_pulled) // 4)]
+    # one prompt per step: 2 trained (the prompt pulled ahead for step 3 is not); version 1 (cold sync) + the syncs
+    assert state["prompt_index"] == 2 and state["model_version"] == 1 + 2 // sync
+    assert sorted(state["rollout_weights"]) == {1: ["2", "3"], 3: ["1"]}[sync]
+    batches = range(len(full_pulled) // 4)
+    assert [s[2] for s in full_pulled[::4]] == [version_for_batch(b, 1, sync) for b in batches]
 
     resumed, resumed_params, resumed_pulled = _train(
-        policy, tok, tmp_path / "resumed", 4, fixed_lag=1, resume=str(tmp_path / "full" / "checkpoint-2")
+        policy, tok, tmp_path / "resumed", 4, 1, resume=str(tmp_path / "full" / "checkpoint-2"), weight_sync_steps=sync
     )
     assert resumed.state.global_step == 4
     after = [s for s in full_pulled if s[0] >= state["prompt_index"]]
@@ -113,7 +117,7 @@ def test_resume_with_fixed_lag_is_bit_exact(policy, tok, tmp_path):
     assert full_params.keys() == resumed_params.keys() == start.keys()
     assert max((full_params[k] - start[k]).abs().max().item() for k in start) > 1e-3  # training moved them
     assert all(torch.equal(full_params[k], resumed_params[k]) for k in full_params)
-    assert resumed.model_version == full.model_version == 5
+    assert resumed.model_version == full.model_version == 1 + 4 // sync
     # the loss layer's metrics of steps 3-4 (the resumed run's history holds steps 1-2 from the checkpoint); TRL's
     # collator metrics (`reward`) also count the micro-batch pulled ahead, which a resumed run pulls twice
     keys = ("loss/total", "async/version_lag_mean", "rollout_is/mean", "train_policy/valid_tokens")
