@@ -45,28 +45,38 @@ def policy(tmp_path_factory):
 
 
 class ThreadedWorker(HFGenerateRolloutWorker):
-    """`HFGenerateRolloutWorker` whose loop runs in a thread; records every sample the trainer pulls."""
+    """`HFGenerateRolloutWorker` whose loop runs in a thread; records every sample the trainer pulls.
+
+    A thread shares the process' RNG with the trainer, and a resumed trainer sets it (`_load_rng_state`) after it
+    starts the worker: the loop therefore starts when the trainer first asks for a sample, after that. (The worker's
+    process has an RNG of its own.)"""
 
     def start(self) -> None:
         self.pulled = []
+        asked = threading.Event()
         get = self.rollout_buffer.get
 
         def recording_get(*args, **kwargs):
+            asked.set()
             sample = get(*args, **kwargs)
             self.pulled.append(sample)
             return sample
 
+        def run(*args):
+            while not asked.wait(0.1):
+                if self._stop.is_set():
+                    return
+            _worker_main(*args)
+
         self.rollout_buffer.get = recording_get
         self._heartbeat.value = time.time()
         self._process = threading.Thread(
-            target=_worker_main,
+            target=run,
             args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights, self._stop,
                   self._ready, self._failed, self._errors, self._heartbeat),
             daemon=True,
         )  # fmt: skip
         self._process.start()
-        if not self._ready.wait(timeout=120):
-            raise RuntimeError("the worker thread did not load its policy")
 
     def stop(self) -> None:
         if self._process is not None:
