@@ -43,12 +43,16 @@ class AsyncScriptArguments(GRPOScriptArguments):
             many versions late (forces staleness, for experiments).
         record_rollout_logprobs (`bool`, *optional*, defaults to `True`): the HF-generate process records the
             sampled tokens' log-probs (rollout IS and the mismatch metrics need them).
+        fixed_lag (`int`, *optional*): the HF-generate process samples the batch of step `t` from exactly the
+            policy after step `t − 1 − fixed_lag` (`HFGenerateRolloutWorker(fixed_lag=...)`): a repeatable run that
+            resumes from a checkpoint (`resume_from_checkpoint`) bit-exactly.
     """
 
     vllm: bool = field(default=False, metadata={"help": "use TRL's vLLM worker and NCCL weight transfer"})
     rollout_threads: int = field(default=1, metadata={"help": "torch threads of the HF-generate process"})
     weight_lag: int = field(default=0, metadata={"help": "apply the weights this many versions late"})
     record_rollout_logprobs: bool = field(default=True, metadata={"help": "record the sampled tokens' log-probs"})
+    fixed_lag: int | None = field(default=None, metadata={"help": "sample each batch from a fixed policy version"})
 
 
 @dataclass
@@ -74,7 +78,7 @@ def build_rollout(script_args, training_args, model_path, dataset, reward_funcs,
     worker = HFGenerateRolloutWorker(
         model_path, dataset, reward_funcs, tokenizer, training_args,
         record_logprobs=script_args.record_rollout_logprobs, weight_lag=script_args.weight_lag,
-        threads=script_args.rollout_threads,
+        fixed_lag=script_args.fixed_lag, threads=script_args.rollout_threads,
     )  # fmt: skip
     return worker, QueueWeightTransfer(worker)
 
@@ -115,7 +119,7 @@ def main(
     )
 
     # Stage 4: train, save, summarize
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()

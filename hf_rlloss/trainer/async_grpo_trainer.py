@@ -18,6 +18,8 @@ loss of an optimizer step (see docs/async.md):
   prefetch adds a version to the lag TRL's filter sees when it pulls the sample); staler samples are taken out of the
   loss in `get_batch_samples`. `num_mini_batches` trains a batch in several optimizer steps against one π_old
   (AReaL's mini-batches), so that the PPO clip binds.
+* **Resume** with hf_rlloss' rollout workers: the prompt position and the policy version counter are saved in the
+  checkpoint and restored before the worker starts (`async_/resume.py`; TRL restores them for its own worker only).
 * **Metrics**: the loss layer's (`train_policy/*`, `mismatch/*`, `rollout_is/*`), plus `async/version_lag_mean`,
   `async/version_lag_max` (policy versions between a trained sample's sampler and the trainer, when it is trained)
   and `async/dropped_stale_frac` (the share of samples pulled from the queue that were dropped as too stale, when
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 import trl.experimental.async_grpo.async_grpo_trainer as trl_async
 from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, RolloutQueueDataset
@@ -49,6 +53,7 @@ from ..loss.context import BaseRLLossContext
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.layouts import model_layouts, switch_attention, zero_attention_dropout
 from ..parallel.tree_attention import register_tree_attention
+from .async_ import resume as rollout_resume
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
@@ -232,8 +237,10 @@ class _VersionedDataset(RolloutQueueDataset):
 
 @dataclass
 class _VersionedCollator(DataCollatorForRollout):
-    """TRL's collator, also sending each row's sample count (`num_samples`) and the policy version of each of its
-    samples (`sample_versions`, padded with -1): the trainer measures their lag when it trains them."""
+    """TRL's collator, also sending each row's sample count (`num_samples`), the policy version of each of its
+    samples (`sample_versions`, padded with -1): the trainer measures their lag when it trains them, and on every row
+    the group ids of the whole micro-batch (`micro_batch_groups`, padded with -1): every rank counts the prompts
+    trained (the rollout state of a checkpoint)."""
 
     def torch_call(self, examples: list[Any]) -> dict[str, Any]:
         batch = super().torch_call(examples)
@@ -245,6 +252,8 @@ class _VersionedCollator(DataCollatorForRollout):
             for i, sample in enumerate(row.samples):
                 versions[r, i] = int(sample.get("model_version", -1))
         batch["sample_versions"] = versions
+        groups = sorted({int(sample["group_id"]) for row in rows for sample in row.samples})
+        batch["micro_batch_groups"] = torch.tensor([groups or [-1]] * len(rows), dtype=torch.long)
         return batch
 
 
@@ -339,6 +348,10 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             replay_warpers(args.top_k, args.top_p, args.min_p) if args.rollout_logprobs_support == "sampled" else None
         )
         self.ref_model = self._build_reference(reference)
+        self._rl_trained_groups: set[int] = set()  # the worker's group ids trained by the optimizer steps
+        self._rl_resumed_weights = False  # the worker resumes with its saved policy versions: no cold sync
+        if self.accelerator.is_main_process:
+            rollout_resume.check_fixed_lag_setup(rollout_worker, weight_transfer, args, self.accelerator.num_processes)
 
     def _build_reference(self, source: Any) -> nn.Module | None:
         """The reference model (`None` without KL, or when it is the policy with its adapter disabled)."""
@@ -360,10 +373,44 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
 
     def _sync_weight(self):
         """TRL's weight sync; the policy version is also counted on the ranks other than the main process (TRL counts
-        it there only), as every rank measures the lag of the samples it trains."""
+        it there only), as every rank measures the lag of the samples it trains. The cold sync of a run resumed with
+        the worker's saved policy versions (`fixed_lag`) is skipped: the worker has the last version sent."""
+        if self._rl_resumed_weights:
+            self._rl_resumed_weights = False
+            return
         super()._sync_weight()
         if not self.accelerator.is_main_process:
             self.model_version += 1
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: the rollout state of hf_rlloss' workers (async_/resume.py)
+
+    def _save_checkpoint(self, model, trial):
+        if self.accelerator.is_main_process and rollout_resume.resumable(self.rollout_worker):
+            checkpoint_dir = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            rollout_resume.save_rollout_state(
+                checkpoint_dir, self.rollout_worker, self.weight_transfer, self._rl_trained_groups, self.model_version
+            )
+        super()._save_checkpoint(model, trial)
+
+    def _inner_training_loop(self, *args, **kwargs):
+        """Before TRL's loop (whose train-begin callback syncs the weights, then starts the worker): restore the
+        rollout state of the checkpoint resumed from, on every rank (the version counter) and in the worker."""
+        self._rl_trained_groups = set()
+        self._rl_resumed_weights = False
+        checkpoint = kwargs.get("resume_from_checkpoint")
+        worker = self.rollout_worker if self.accelerator.is_main_process else None
+        if checkpoint is not None and (worker is None or rollout_resume.resumable(worker)):
+            state = rollout_resume.load_rollout_state(checkpoint)
+            if state is not None:
+                self.model_version = int(state["model_version"])
+                self._groups_before_resume = int(state["prompt_index"])
+                self._rl_resumed_weights = bool(state.get("rollout_weights"))
+                if worker is not None:
+                    rollout_resume.restore_rollout(state, checkpoint, worker, self.weight_transfer)
+        return super()._inner_training_loop(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
     # Optimizer steps: every micro-batch's context built and normalized before the first backward
@@ -394,6 +441,9 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
                 self._rl_stash.append((group, contexts))
             self._log_lags(metrics)
         batches, contexts = self._rl_stash.popleft()
+        for batch in batches:
+            groups = batch["micro_batch_groups"][0]
+            self._rl_trained_groups.update(groups[groups >= 0].tolist())
         self._rl_pending = deque(contexts)
         self._rl_step_metrics = {}
         return batches, None

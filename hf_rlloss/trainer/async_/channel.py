@@ -145,6 +145,7 @@ class LatestWeights:
     def __init__(self, ctx, lock_timeout_s: float = 1.0):
         self._handoff = ctx.Queue(maxsize=1)  # carries the shared tensors once
         self._version = ctx.Value("q", 0)  # the newest version written (0: none)
+        self._read = ctx.Value("q", 0)  # the newest version the reader has copied
         self._lock = ctx.Lock()
         self._lock_timeout_s = lock_timeout_s
         self._state: dict[str, torch.Tensor] | None = None  # the trainer's (writer's) view
@@ -164,14 +165,24 @@ class LatestWeights:
             health()
         return self._lock
 
-    def publish(self, version: int, tensors: Iterator[tuple[str, torch.Tensor]], health=_no_health_check) -> None:
+    def publish(
+        self,
+        version: int,
+        tensors: Iterator[tuple[str, torch.Tensor]],
+        health=_no_health_check,
+        wait_read: bool = False,
+    ) -> None:
         """Trainer side: make `tensors` the newest weights, as `version` (the first call allocates the shared copy
-        and hands it to the worker; later calls overwrite it in place)."""
+        and hands it to the worker; later calls overwrite it in place). `wait_read`: first wait until the reader has
+        copied the previous version (calling `health` meanwhile), so that it sees every version."""
         if self._state is None:
             self._state = {name: t.detach().to("cpu", copy=True).share_memory_() for name, t in tensors}
             self._handoff.put(self._state)
             self._version.value = version
             return
+        while wait_read and self._read.value < self._version.value:
+            health()
+            time.sleep(0.01)
         lock = self._locked(health)
         try:
             for name, tensor in tensors:
@@ -191,6 +202,7 @@ class LatestWeights:
         try:
             version = self.version
             apply(self._shared)
+            self._read.value = version
         finally:
             lock.release()
         return version

@@ -15,6 +15,11 @@ seconds; TRL's trainer calls it whenever its queue stays empty for 5 s. Samples 
 (`async_/channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
 weights through `LatestWeights` (only the newest kept). The worker exits within a second when the trainer's process
 dies (it polls its parent's PID), so neither side can hang on, or outlive, the other.
+
+Reproducibility: each batch is sampled under a seed derived from `(args.seed, index of its first prompt)`
+(`batch_seed`), so the samples of a batch do not depend on what the process generated before it. With `fixed_lag`
+the policy version each batch is sampled from is a function of the batch's index (`version_for_group`), not of
+timing; a run is then repeatable, and resumable bit-exactly from a checkpoint (`async_/resume.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +45,7 @@ from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel
 
-__all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "group_advantages"]
+__all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "batch_seed", "group_advantages"]
 
 # AsyncGRPOConfig options that configure TRL's vLLM worker and mean nothing to HF `generate` in a process of its own
 VLLM_ONLY_OPTIONS = (
@@ -69,6 +74,20 @@ def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float, float]:
     return advantages, float(values.mean()), float(values.std())
 
 
+def batch_seed(seed: int, first_group: int) -> int:
+    """The sampling seed of the batch whose first prompt is the `first_group`-th served (counted from the start of
+    training, over epochs): a function of the two alone, so a resumed worker samples a batch as an uninterrupted one
+    did, whatever it generated before. (The worker's RNG state itself is not saved: it is re-seeded per batch.)"""
+    return int(np.random.SeedSequence([int(seed), int(first_group)]).generate_state(1)[0])
+
+
+def version_for_batch(batch: int, fixed_lag: int, weight_sync_steps: int) -> int:
+    """Under `fixed_lag`, the policy version batch `batch` (0-based, one optimizer step's samples) is sampled from:
+    the version of the policy after optimizer step `batch − fixed_lag` (the cold sync's, version 1, for the first
+    ones). TRL bumps the version after every `weight_sync_steps`-th step."""
+    return 1 + max(0, batch - fixed_lag) // weight_sync_steps
+
+
 @dataclasses.dataclass
 class _Settings:
     """What the worker process needs (picklable)."""
@@ -89,6 +108,11 @@ class _Settings:
     dtype: str
     chat_template_kwargs: dict[str, Any]
     parent_pid: int = 0  # the trainer's process: the worker exits when it is gone
+    seed: int = 0  # `batch_seed`'s
+    fixed_lag: int | None = None
+    weight_sync_steps: int = 1
+    start_group: int = 0  # the first prompt served, counted over epochs (a resumed run's position)
+    resume_weights: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (version, safetensors file)
 
 
 class HFGenerateRolloutWorker:
@@ -111,6 +135,13 @@ class HFGenerateRolloutWorker:
         groups_per_batch (`int`, *optional*): prompts per `generate` call; defaults to one optimizer step's worth.
         weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
             experiment's knob: samples then lag the trainer by at least `weight_lag` versions).
+        fixed_lag (`int`, *optional*): sample batch `b` (one optimizer step's samples) from exactly the policy after
+            optimizer step `b − fixed_lag` (`version_for_batch`), waiting for it if needed; the trainer's weight sync
+            waits until the worker has copied the previous version, so none is skipped. Which policy samples which
+            batch then does not depend on timing: a run is repeatable and resumes from a checkpoint bit-exactly.
+            At least 1 (the trainer's dataloader fetches the next step's first micro-batch before it steps) and at
+            least `num_mini_batches`; needs `max_staleness >= ceil(fixed_lag / weight_sync_steps)` and one batch
+            per optimizer step. Unset (the default), the worker samples from the newest weights it has.
         threads (`int`, *optional*, defaults to `1`): torch threads of the worker process.
         ready_timeout (`float`, *optional*, defaults to `600`): seconds `start` waits for the process to load.
     """
@@ -127,6 +158,7 @@ class HFGenerateRolloutWorker:
         shared_prompt_generation: bool = True,
         groups_per_batch: int | None = None,
         weight_lag: int = 0,
+        fixed_lag: int | None = None,
         threads: int = 1,
         ready_timeout: float = 600.0,
     ):
@@ -139,6 +171,8 @@ class HFGenerateRolloutWorker:
                 )
         if weight_lag < 0:
             raise ValueError(f"weight_lag={weight_lag} must be >= 0")
+        if fixed_lag is not None:
+            _check_fixed_lag(fixed_lag, weight_lag, args)
         if not isinstance(model, str):
             raise TypeError("HFGenerateRolloutWorker loads its own copy of the policy: pass the model's path")
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -171,7 +205,11 @@ class HFGenerateRolloutWorker:
             threads=threads,
             dtype=args.dtype,
             chat_template_kwargs=dict(args.chat_template_kwargs or {}),
+            seed=args.seed,
+            fixed_lag=fixed_lag,
+            weight_sync_steps=args.weight_sync_steps,
         )
+        self.fixed_lag = fixed_lag
         ctx = mp.get_context("spawn")
         self._ctx = ctx
         self.rollout_buffer = SampleChannel(ctx, maxsize=args.queue_maxsize)
@@ -193,6 +231,37 @@ class HFGenerateRolloutWorker:
 
     def update_model_version(self, model_version: int) -> None:
         self._model_version.value = int(model_version)
+
+    @property
+    def groups_per_batch(self) -> int:
+        return self._settings.groups_per_batch
+
+    @property
+    def start_group(self) -> int:
+        """The first prompt this worker serves, counted from the start of training over epochs (0, or a resumed
+        run's position); the `group_id` of its samples counts from there (TRL's convention)."""
+        return self._settings.start_group
+
+    def version_for_group(self, group: int) -> int:
+        """Under `fixed_lag`: the policy version the batch holding the `group`-th prompt (counted as `start_group`)
+        is sampled from."""
+        if self.fixed_lag is None:
+            raise ValueError("version_for_group: the worker has no fixed_lag (it samples from the newest weights)")
+        s = self._settings
+        return version_for_batch(group // s.groups_per_batch, self.fixed_lag, s.weight_sync_steps)
+
+    def restore(self, start_group: int, weights: Sequence[tuple[int, str]] = ()) -> None:
+        """Resume at the `start_group`-th prompt (counted over epochs), before `start`. `weights`: `(version,
+        safetensors file)` of the policy versions the batches from there are sampled from under `fixed_lag` (older
+        than the trainer's checkpoint): the worker loads them at start, before any weights of the trainer."""
+        if self._process is not None:
+            raise RuntimeError("HFGenerateRolloutWorker.restore must be called before start")
+        if start_group < 0:
+            raise ValueError(f"start_group={start_group} must be >= 0")
+        if weights and self.fixed_lag is None:
+            raise ValueError("restored rollout weights need fixed_lag (without it the worker samples the newest)")
+        self._settings.start_group = int(start_group)
+        self._settings.resume_weights = sorted((int(v), str(path)) for v, path in weights)
 
     def start(self) -> None:
         if self._process is not None:
@@ -254,6 +323,11 @@ class QueueWeightTransfer:
     """TRL `WeightTransferProtocol` without NCCL: the trainer's parameters go to `HFGenerateRolloutWorker` through a
     `torch.multiprocessing` queue (tensors in shared memory), tagged with the version they will be.
 
+    Under the worker's `fixed_lag` it also keeps a copy of the last versions that batches not trained yet can still
+    be sampled from (`history`, `ceil(fixed_lag / weight_sync_steps) + 1` of them): a checkpoint saves them, since
+    the resumed worker samples those batches from them (`async_/resume.py`). Each send then waits until the worker
+    has copied the previous version.
+
     Args:
         worker (`HFGenerateRolloutWorker`): the worker whose policy copy receives the weights.
         timeout_s (`float`, *optional*, defaults to `600`): how long `send_weights` may wait for the queue.
@@ -262,6 +336,9 @@ class QueueWeightTransfer:
     def __init__(self, worker: HFGenerateRolloutWorker, timeout_s: float = 600.0):
         self.worker = worker
         self.timeout_s = timeout_s
+        self.history: dict[int, dict[str, torch.Tensor]] = {}  # version -> CPU copy (under fixed_lag only)
+        lag = worker.fixed_lag
+        self._keep = 0 if lag is None else -(-lag // worker._settings.weight_sync_steps) + 1
 
     def init_weight_transfer(self) -> None: ...
 
@@ -270,7 +347,18 @@ class QueueWeightTransfer:
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         # TRL bumps the version right after this transfer: these weights are the policy of the next version
         health = self.worker._raise_if_dead if self.worker._process is not None else lambda: None
-        self.worker.weights.publish(self.worker.model_version + 1, iterator, health=health)
+        version = self.worker.model_version + 1
+        if self._keep:
+            state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in iterator}
+            self.keep(version, state)
+            iterator = iter(state.items())
+        self.worker.weights.publish(version, iterator, health=health, wait_read=self._keep > 0)
+
+    def keep(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep `state` as `version` in `history`, dropping the versions no batch can be sampled from any more."""
+        self.history[version] = state
+        for old in sorted(self.history)[: -self._keep]:
+            del self.history[old]
 
     def resume(self) -> None: ...
 
@@ -310,8 +398,8 @@ class _WorkerLoop:
         self.pending: deque[tuple[int, dict[str, torch.Tensor]]] = deque()  # received, not yet applied (weight_lag)
         self.received = 0  # the newest version read from `weights`
         self.version = 0  # the version of the weights the worker samples from (0: not synced yet)
-        self.next_prompt = 0
-        self.next_group = 0
+        self.next_prompt = settings.start_group  # counted over epochs
+        self.next_group = 0  # the samples' group_id, from the start position on (TRL's convention)
 
     def load(self) -> None:
         """Load the worker's own copy of the policy (float32 unless `dtype` says otherwise, SDPA attention)."""
@@ -322,22 +410,61 @@ class _WorkerLoop:
         self.model.eval()
         self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
 
+    def load_resume_weights(self) -> None:
+        """A resumed run's policy versions (`restore`): kept as if received, before any weights of the trainer."""
+        from safetensors.torch import load_file
+
+        for version, path in self.s.resume_weights:
+            self.pending.append((version, load_file(path)))
+            self.received = version
+
     def run(self, ready) -> None:
         torch.set_num_threads(self.s.threads)
         self.load()
+        self.load_resume_weights()
         ready.set()
         while not self.stop.is_set():
-            self._apply_weights(block=self.version == 0)
-            if self.version == 0:
+            if not self._weights_for_next_batch():
                 continue
             for sample in self._generate_batch():
                 self._put(sample)
             self.heartbeat.value = time.time()
 
-    def _apply_weights(self, block: bool) -> None:
-        """Read the newest weights (a copy of them when `weight_lag` keeps several); load the ones `weight_lag`
-        versions behind the newest (the first at once: nothing older exists, and waiting for later ones would wait on
-        the trainer, which waits on samples). Versions the trainer overwrote before they were read are skipped."""
+    def _weights_for_next_batch(self) -> bool:
+        """Load the weights the next batch is sampled from; False when they have not arrived yet (after waiting up
+        to half a second). Without `fixed_lag`: the newest (`weight_lag` versions late); with it, the version of the
+        batch (`version_for_batch`), never a newer one."""
+        if self.s.fixed_lag is None:
+            self._apply_weights(block=self.version == 0)
+            return self.version != 0
+        batch = self.next_prompt // self.s.groups_per_batch
+        needed = version_for_batch(batch, self.s.fixed_lag, self.s.weight_sync_steps)
+        self._read_weights(block=self.received < needed)
+        if 0 < self.weights.version < self.received:  # it would wait for ever for `needed`
+            raise RuntimeError(
+                f"the trainer sent policy version {self.weights.version}, older than version {self.received} the "
+                "worker has: the trainer's version counter does not continue the worker's (a resume that did not "
+                "restore model_version?)"
+            )
+        if self.received < needed:
+            return False
+        while self.pending and self.pending[0][0] < needed:
+            self.pending.popleft()  # no later batch is sampled from it
+        if not self.pending or self.pending[0][0] != needed:
+            raise RuntimeError(f"policy version {needed} of batch {batch} was never received (fixed_lag)")
+        if self.version != needed:
+            self._load(*self.pending[0])
+        return True
+
+    def _load(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise RuntimeError(f"weights the rollout policy does not have: {unexpected[:5]}")
+        self.version = version
+
+    def _read_weights(self, block: bool) -> None:
+        """Copy the newest weights into `pending` when newer than the last read (waiting up to half a second for
+        them when `block`)."""
         deadline = time.monotonic() + (0.5 if block else 0.0)
         while True:
             version = self.weights.read_newer(self.received, self._receive)
@@ -349,15 +476,17 @@ class _WorkerLoop:
                 break
             time.sleep(0.05)
         self.heartbeat.value = time.time()
+
+    def _apply_weights(self, block: bool) -> None:
+        """Read the newest weights (a copy of them when `weight_lag` keeps several); load the ones `weight_lag`
+        versions behind the newest (the first at once: nothing older exists, and waiting for later ones would wait on
+        the trainer, which waits on samples). Versions the trainer overwrote before they were read are skipped."""
+        self._read_weights(block)
         newest = self.pending[-1][0] if self.pending else self.version
         while len(self.pending) > 1 and self.pending[1][0] <= newest - self.s.weight_lag:
             self.pending.popleft()  # a newer version is also old enough: this one is never applied
         while self.pending and (self.pending[0][0] <= newest - self.s.weight_lag or self.version == 0):
-            version, state = self.pending.popleft()
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            if unexpected:
-                raise RuntimeError(f"weights the rollout policy does not have: {unexpected[:5]}")
-            self.version = version
+            self._load(*self.pending.popleft())
 
     def _receive(self, shared: dict[str, torch.Tensor]) -> None:
         """Keep a copy of the newest weights (called under the weights' lock, which the trainer's next write waits
@@ -372,7 +501,10 @@ class _WorkerLoop:
                 return
             except queue.Full:
                 self.heartbeat.value = time.time()  # waiting on the trainer is not a stall
-                self._apply_weights(block=False)
+                if self.s.fixed_lag is None:
+                    self._apply_weights(block=False)
+                else:
+                    self._read_weights(block=False)  # the trainer's next send waits for this copy
 
     def _next_prompts(self) -> tuple[list[dict], list[str], Any]:
         """The next `groups_per_batch` prompt rows, their texts, and the texts tokenized with each repeated
@@ -396,10 +528,16 @@ class _WorkerLoop:
     @torch.no_grad()
     def _generate_batch(self) -> list[RolloutSample]:
         s, tok = self.s, self.s.tokenizer
+        seed = batch_seed(s.seed, self.next_prompt)
         rows, _, encoded = self._next_prompts()
         version = self.version
         recorder = SampledTokenLogprobs()
-        with recording_logprobs(self.model, recorder), sharing_prompts(self.model, s.shared_prompt_generation):
+        with (
+            torch.random.fork_rng(devices=[]),
+            recording_logprobs(self.model, recorder),
+            sharing_prompts(self.model, s.shared_prompt_generation),
+        ):
+            torch.manual_seed(seed)
             out = self.model.generate(
                 **encoded, **s.generation_kwargs, eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id
             )
@@ -444,6 +582,23 @@ class _WorkerLoop:
         except queue.Full:
             pass
         return samples
+
+
+def _check_fixed_lag(fixed_lag: int, weight_lag: int, args: AsyncGRPOConfig) -> None:
+    if not isinstance(fixed_lag, int) or fixed_lag < 1:
+        raise ValueError(
+            f"fixed_lag={fixed_lag!r} must be an integer >= 1: the trainer's dataloader fetches the next step's first "
+            "micro-batch before it steps, so a batch cannot wait for the policy of the step before it is trained"
+        )
+    if weight_lag:
+        raise ValueError(f"weight_lag={weight_lag} and fixed_lag={fixed_lag}: set one of the two")
+    needed = -(-fixed_lag // args.weight_sync_steps)
+    staleness = getattr(args, "max_staleness", None)
+    if staleness is not None and staleness < needed:
+        raise ValueError(
+            f"fixed_lag={fixed_lag} with weight_sync_steps={args.weight_sync_steps} trains samples up to {needed} "
+            f"versions old: max_staleness={staleness} would drop them; set max_staleness >= {needed}"
+        )
 
 
 def _as_list(value) -> list[int]:
