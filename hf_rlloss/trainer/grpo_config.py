@@ -535,7 +535,6 @@ class RLLossGRPOConfig(GRPOConfig):
             return
         refusals = {
             "sp_size > 1": self.sp_size > 1,  # the routes are not sharded with the packed row yet
-            "dynamic_sampling": self.dynamic_sampling,  # the refill rounds' routes are not merged yet
         }
         if mode == "rollout":
             # vLLM returns routed experts only with --enable-return-routed-experts, which TRL does not pass through

@@ -31,7 +31,7 @@ from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
 from .packing import PackedLayout, build_layout, pack_padding_free, packing_metrics
-from .routing_replay import routed_forward
+from .routing_replay import get_batch_routes, routed_forward, set_batch_routes
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
@@ -144,7 +144,7 @@ class LossLayerForwards:
         input_ids, attention_mask = prompt_and_completion(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
-        routes = batch.get("routed_experts") if self._routing_mode == "rollout" else None  # MoE: R3 replays them
+        routes = get_batch_routes(batch) if self._routing_mode == "rollout" else None  # MoE: R3 replays them
         args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch), routes)
         if self.ref_model is not None:
             return self.compute_per_token_logps(self.ref_model, *args)
@@ -172,7 +172,7 @@ class LossLayerForwards:
             router logits (else `None`) and the attention mask over their tokens (`None` for a packed row, where
             every position is a token); the number of positions forwarded.
 
-        An MoE policy under `routing_replay` routes the forward through `batch["routed_experts"]` (or captures its
+        An MoE policy under `routing_replay` routes the forward through the batch's routes (or captures its
         routes in a π_old pass; `routing_replay.routed_forward`); `count`: the loss forward counts the disagreement.
         """
         vision = multimodal_inputs(batch)  # VLM: never packed (see RLLossGRPOTrainer._setup_packing)
@@ -241,7 +241,7 @@ class LossLayerForwards:
         batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
         batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
         if routes is not None:
-            batch["routed_experts"] = routes
+            set_batch_routes(batch, routes)
         if self.sp_mesh is None:
 
             def forward(unwrapped):

@@ -16,8 +16,9 @@ chosen logits, sigmoid; top-k renormalization; routed scaling factor; a correcti
 is not applied to the weights). The router therefore keeps its gradient (through the gathered weights, as in R3),
 and `router_logits` (the router loss, TRL's `aux_loss`) are the model's own.
 
-Layout. Routes are kept per token like the batch: `routed_experts` `(B, P + C, L, k)` int16, aligned with
-`prompt_and_completion(batch)` (left-padded prompt, right-padded completion), `-1` where no route was recorded: the
+Layout. Routes are kept per token like the batch: `(B, P + C, L, k)` int16, aligned with
+`prompt_and_completion(batch)` (left-padded prompt, right-padded completion; in the batch as two keys, `ROUTE_KEYS`,
+padded like the prompt and the completion), `-1` where no route was recorded: the
 padding, the last generated token (never forwarded during generation; its hidden state predicts nothing), the tokens
 of tool results and of later turns. A token without a route is routed live (the model's own top-k). Each training
 forward gives its router rows the routes in its own layout (`layout_routes`): the padded batch (`B × (P + C)` rows)
@@ -45,6 +46,7 @@ from torch import nn
 from ...loss.metrics import Reduction, register_finalizer, register_metric
 
 __all__ = [
+    "ROUTE_KEYS",
     "ROUTER_FAMILIES",
     "ROUTING_REPLAY_MODES",
     "RoutingReplay",
@@ -52,14 +54,20 @@ __all__ = [
     "batch_routes",
     "find_routers",
     "generation_routes",
+    "get_batch_routes",
     "layout_routes",
     "routed_forward",
     "routes_from_layout",
     "routing_metrics",
+    "set_batch_routes",
 ]
 
 ROUTING_REPLAY_MODES = ("off", "rollout", "old_policy")
 NO_ROUTE = -1
+# The batch keys of the routes: the prompt's (left-padded, like `prompt_ids`) and the completion's (right-padded), so
+# that whatever pads, pools, gathers or concatenates a TRL batch's rows by key (`sp_batch.pad_rows_to_length`, with
+# `-1`) keeps them aligned with their tokens.
+ROUTE_KEYS = ("prompt_routed_experts", "completion_routed_experts")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,6 +190,20 @@ def routes_from_layout(
     out = torch.full((batch, length, *rows.shape[1:]), NO_ROUTE, dtype=rows.dtype, device=rows.device)
     out[_kept_tokens(prompt_mask, completion_mask).to(rows.device)] = rows
     return out
+
+
+def set_batch_routes(batch: dict[str, Any], routes: torch.Tensor) -> dict[str, Any]:
+    """Store `(B, P + C, L, k)` routes in `batch` under `ROUTE_KEYS`, split at its prompt's width `P`."""
+    prompt_length = batch["prompt_ids"].size(1)
+    batch[ROUTE_KEYS[0]], batch[ROUTE_KEYS[1]] = routes[:, :prompt_length], routes[:, prompt_length:]
+    return batch
+
+
+def get_batch_routes(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The `(B, P + C, L, k)` routes of `batch` (`set_batch_routes`), or `None`."""
+    if batch.get(ROUTE_KEYS[0]) is None:
+        return None
+    return torch.cat([batch[ROUTE_KEYS[0]], batch[ROUTE_KEYS[1]]], dim=1)
 
 
 def batch_routes(
@@ -418,8 +440,8 @@ def generation_routes(
 def routed_forward(
     routing: RoutingReplay | None, batch: dict[str, Any], packed: bool, count: bool = False
 ) -> Iterator[None]:
-    """Route one training forward of `batch` (its `prompt_mask`, `completion_mask` and, when recorded,
-    `routed_experts` `(B, S, L, k)`) laid out padded or packed `padding_free`: replay its routes, or, while
+    """Route one training forward of `batch` (its `prompt_mask`, `completion_mask` and, when recorded, its routes
+    `(B, S, L, k)`, `get_batch_routes`) laid out padded or packed `padding_free`: replay its routes, or, while
     `routing.captured` is a list (an `"old_policy"` π_old pass), record the forward's routes into it `(B, S, L, k)`."""
     if routing is None:
         yield
@@ -431,7 +453,7 @@ def routed_forward(
         rows = torch.stack([torch.cat(calls) for calls in records], dim=1)  # (N, L, k)
         routing.captured.append(routes_from_layout(rows, prompt_mask, completion_mask, packed))
         return
-    routes = batch.get("routed_experts")
+    routes = get_batch_routes(batch)
     targets = None if routes is None else layout_routes(routes, prompt_mask, completion_mask, packed)
     with routing.replay(targets, count=count):
         yield
@@ -440,7 +462,7 @@ def routed_forward(
 class RoutingReplayTrainer:
     """The trainer's side of routing replay (mixed into `RLLossGRPOTrainer`): the hooks on the policy and the
     reference, the routes recorded during HF `generate` (`"rollout"`) or captured in the π_old pass
-    (`"old_policy"`), and the batch's `routed_experts` the training forwards replay (`routed_forward`)."""
+    (`"old_policy"`), and the batch's routes (`ROUTE_KEYS`) the training forwards replay (`routed_forward`)."""
 
     _routing: RoutingReplay | None = None
     _routing_mode = "off"
@@ -505,21 +527,17 @@ class RoutingReplayTrainer:
             self._routing.captured = None
 
     def _routing_add_rollout_routes(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """`batch["routed_experts"]` from generation (`"rollout"`)."""
+        """The batch's routes (`ROUTE_KEYS`) from generation (`"rollout"`)."""
         shape = (batch["prompt_ids"].size(0), batch["prompt_ids"].size(1), batch["completion_ids"].size(1))
         routes = self._routing_rollout_routes(*shape)
         self._routing_generated = []
-        if routes is not None:
-            batch["routed_experts"] = routes
-        return batch
+        return batch if routes is None else set_batch_routes(batch, routes)
 
     def _routing_add_captured(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """`batch["routed_experts"]` from the π_old pass (`"old_policy"`); none when every micro-batch is
+        """The batch's routes (`ROUTE_KEYS`) from the π_old pass (`"old_policy"`); none when every micro-batch is
         on-policy (the loss forward is then the π_old pass itself)."""
         captured, self._routing_captured = self._routing_captured, None
-        if captured is not None:
-            batch["routed_experts"] = captured
-        return batch
+        return batch if captured is None else set_batch_routes(batch, captured)
 
     def _routing_loss_metrics(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The disagreement accumulators of the loss forward just run (`routing/*`), or none when replay is off."""
