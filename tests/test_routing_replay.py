@@ -63,7 +63,7 @@ def trainer_logprobs(model, replay, ids, mask, positions, prompt_length, complet
     """The fp32 log-probs of the completion from one full forward, replaying `routes` (or routing live)."""
     routed = contextlib.nullcontext()  # live: whatever `replay` does around the call (e.g. record)
     if routes is not None:
-        routed = replay.replay(layout_routes(routes, mask[:, :prompt_length], mask[:, prompt_length:], False), True)
+        routed = replay.replay(layout_routes(routes), True)
     with routed, torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
     return torch.log_softmax(logits[:, prompt_length - 1 : -1], -1).gather(2, completion[..., None])[..., 0]
@@ -104,7 +104,7 @@ def test_bf16_sampler_fp32_trainer(tok, family):
     # no `replay.live()`: after a replayed forward the targets serve only a recomputation inside a backward
     live = trainer_logprobs(model, replay, ids, mask, positions, p, completion)
     # the experts used under replay are the recorded ones, except for the tokens without a route (routed live)
-    targets = layout_routes(routes, mask[:, :p], mask[:, p:], False)  # (N, L, k)
+    targets = layout_routes(routes)  # (N, L, k)
     has_route = targets[:, 0, 0] >= 0
     for layer, ids_used in enumerate(used):
         assert torch.equal(ids_used[has_route], targets[has_route, layer].long())
@@ -212,17 +212,86 @@ def test_router_gradient_equals_a_hand_written_moe_with_given_ids(tok):
     assert grads[0].abs().sum() > 0  # the router learns through the replayed experts' gate weights
 
 
-def test_packed_layout_round_trip():
-    """`layout_routes` gives a padding-free row's tokens in order; `routes_from_layout` restores them, -1 elsewhere."""
-    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
-    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the third row has no completion token
-    routes = torch.arange(3 * 6 * 2 * 2, dtype=torch.int16).reshape(3, 6, 2, 2)
-    rows = layout_routes(routes, prompt_mask, completion_mask, packed=True)
-    assert rows.shape == (8, 2, 2)  # 2 + 2 and 3 + 1 tokens; the third row's prompt is not forwarded
-    assert torch.equal(rows[0], routes[0, 1]) and torch.equal(rows[4], routes[1, 0])
-    back = routes_from_layout(rows, prompt_mask, completion_mask, packed=True)
-    kept = torch.cat([prompt_mask * completion_mask.any(1, keepdim=True), completion_mask], 1).bool()
-    assert torch.equal(back[kept], routes[kept]) and (back[~kept] == -1).all()
+class _Mesh:
+    """What `sp_split`, `sp_shard_inputs` and `sp_rank` read from an SP mesh: its size and this rank's index."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def _grouped_batch():
+    """Two prompts (left-padded) with two completions each (right-padded), one completion fully masked; routes
+    `(B, P + C, 2, 2)` whose first expert id is the token's id, -1 at padding, the second prompt's second copy
+    recorded with other experts (+50 in the second slot) than its first."""
+    prompt_ids = torch.tensor([[0, 11, 12], [0, 11, 12], [21, 22, 23], [21, 22, 23]])
+    completion_ids = torch.tensor([[13, 14, 0], [15, 0, 0], [24, 25, 26], [27, 28, 0]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    prompt_mask = (prompt_ids != 0).long()
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1).bool()
+    routes = ids[..., None, None].repeat(1, 1, 2, 2).to(torch.int16)
+    routes[..., 1] += 1
+    routes[3, :3, 1, 1] += 50  # row 3's prompt: another route than row 2's, in the last layer
+    routes[~mask] = -1
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids)
+    return {**batch, "completion_mask": completion_mask}, routes
+
+
+@pytest.mark.parametrize("mode", ["padding_free", "shared_prefix"])
+def test_packed_layouts_and_sp_shards_replay_each_tokens_route(mode):
+    """A packed row replays at each position the route of the token it forwards (`grid_position`): under
+    `"shared_prefix"` a shared prompt position replays its first row's route, and the other rows' differing routes
+    are counted; `routes_from_layout` gives every forwarded token its position's route; under sequence parallelism
+    each rank replays the routes of exactly the tokens of its shard (`routed_forward`, as `sp_shard_inputs` splits
+    the row), -1 on the SP padding."""
+    from hf_rlloss.trainer.common.packing import _BUILDERS
+    from hf_rlloss.trainer.common.routing_replay import routed_forward, set_batch_routes, shared_route_counts
+    from hf_rlloss.trainer.common.sp_batch import SPMicroBatch
+
+    batch, routes = _grouped_batch()
+    layout = _BUILDERS[mode](
+        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+    )
+    rows = layout_routes(routes, layout)  # (N, 2, 2)
+    assert torch.equal(rows[:, 0, 0].long(), layout.input_ids[0])  # each position: its own token's route
+    assert torch.equal(rows[:, 0, 1].long(), layout.input_ids[0] + 1)
+    own_prompt_route = int((rows[:, 1, 1] >= 50 + 21).sum())  # row 3's prompt route (its second layer, slot 1)
+    shared, differing = shared_route_counts(routes, layout)
+    if mode == "shared_prefix":
+        # its shared prompt tokens replay row 2's, which comes first; its last prompt token is a position of its own
+        # (TRL's trie forks a token before the sequences differ: the first completion tokens differ here)
+        assert own_prompt_route == 1
+        assert layout.forwarded_tokens < int(torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1).sum())
+        # rows 1 and 3 share their prompts with rows 0 and 2 (the last prompt token too when the first completion
+        # tokens agree; here they differ): 1 + 2 tokens, of which row 3's 2 recorded another route
+        assert (shared, differing) == (3, 2)
+    else:
+        assert own_prompt_route == 3 and (shared, differing) == (0, 0)  # each row forwards its own prompt
+    back = routes_from_layout(rows, layout, tuple(routes.shape[:2]))
+    forwarded = layout.grid_position >= 0
+    assert torch.equal(
+        back[forwarded][:, 0, 0].long(), torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)[forwarded]
+    )
+    assert (back[~forwarded] == -1).all()
+    set_batch_routes(batch, routes)
+    for size in (2, 3):
+        for rank in range(size):
+            mesh = _Mesh(size, rank)
+            shard = SPMicroBatch.from_layout(layout, mesh, 0).input_ids[0]  # (N_local,)
+            replay = RoutingReplay()
+            with routed_forward(replay, batch, layout, sp_mesh=mesh):
+                targets = replay.targets
+            real = targets[:, 0, 0] >= 0
+            assert targets.shape[0] == shard.shape[0]
+            assert torch.equal(targets[real, 0, 0].long(), shard[real])
+            padding = (rank + 1) * shard.shape[0] - layout.forwarded_tokens  # the SP padding at the row's end
+            assert int((~real).sum()) == max(0, min(padding, shard.shape[0]))
 
 
 def _trainer(tok, tmp_path, model, **options):
@@ -236,10 +305,11 @@ def _trainer(tok, tmp_path, model, **options):
 
 def test_trainer_rollout_replay_equals_the_recorded_logprobs(tok, tmp_path):
     """`routing_replay="rollout"` in the trainer (HF generate, fp32, left-padded prompts of three lengths, packed
-    padding-free, activation checkpointing): π_old replays the sampler's routes, so the rollout mismatch is float
-    round-off, every token but the last generated one is replayed, and the loss forwards agree with the sampler."""
+    with shared prompts, activation checkpointing): π_old replays the sampler's routes, so the rollout mismatch is
+    float round-off, every token but the last generated one is replayed, and the loss forwards agree with the
+    sampler."""
     trainer = _trainer(tok, tmp_path, tiny_moe(tok, "qwen3_moe"), routing_replay="rollout", packing="shared_prefix")
-    assert trainer._packing == "padding_free"  # a shared prompt position cannot replay G rows' routes
+    assert trainer._packing == "shared_prefix"  # a shared prompt position replays its first row's routes
     trainer.train()
     logs = [h for h in trainer.state.log_history if "routing/disagreement" in h]
     assert len(logs) == 2
@@ -249,6 +319,8 @@ def test_trainer_rollout_replay_equals_the_recorded_logprobs(tok, tmp_path):
         # 4 completions of 8 tokens (none ends early: no EOS is likely from a random model), each row's last one
         # without a route, plus the prompts
         assert log["routing/replayed_tokens"] >= 4 * 7
+        # the G copies of a prompt were routed alike during generation (the same rows of one fp32 prefill)
+        assert log["routing/shared_tokens_differing"] == 0.0
 
 
 def test_trainer_old_policy_replays_the_pi_old_routes(tok, tmp_path):

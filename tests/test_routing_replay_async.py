@@ -17,8 +17,9 @@ from trl.experimental.async_grpo.packing import TreeRow
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
 from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
-from hf_rlloss.trainer.async_.routing import tree_positions, tree_routes
+from hf_rlloss.trainer.async_.routing import tree_routes
 from hf_rlloss.trainer.async_grpo_trainer import portable_async_trl
+from hf_rlloss.trainer.common.packing import tree_positions
 from hf_rlloss.trainer.common.routing_replay import find_routers
 
 torch.set_num_threads(1)

@@ -533,9 +533,7 @@ class RLLossGRPOConfig(GRPOConfig):
             raise ValueError(f"routing_replay={mode!r}; expected one of {', '.join(map(repr, ROUTING_REPLAY_MODES))}")
         if mode == "off":
             return
-        refusals = {
-            "sp_size > 1": self.sp_size > 1,  # the routes are not sharded with the packed row yet
-        }
+        refusals = {}
         if mode == "rollout":
             # vLLM returns routed experts only with --enable-return-routed-experts, which TRL does not pass through
             refusals["use_vllm (TRL's vLLM client returns no routed experts)"] = self.use_vllm

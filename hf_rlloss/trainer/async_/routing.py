@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from ..common.packing import tree_positions
 from ..common.routing_replay import NO_ROUTE, RoutingReplay, routing_metrics
 
 __all__ = [
@@ -35,7 +36,6 @@ __all__ = [
     "RoutedRolloutSample",
     "collate_routes",
     "sample_routes",
-    "tree_positions",
     "tree_routes",
 ]
 
@@ -56,24 +56,6 @@ def sample_routes(sample: RolloutSample, prompt: torch.Tensor, completion: torch
     its completion's `(c, L, k)` (`generation_routes`)."""
     fields = {f.name: getattr(sample, f.name) for f in dataclasses.fields(RolloutSample)}
     return RoutedRolloutSample(**fields, routed_experts=torch.cat([prompt, completion]).to(torch.int16).numpy())
-
-
-def tree_positions(row: Any) -> list[int]:
-    """The packed position of each node of a TRL `TreeRow` (`node -> position`): the trie laid out in DFS pre-order,
-    unary chains contiguous, as `TreeRow.pack` lays it out."""
-    packed = [0] * len(row.tokens)
-    position = 0
-    stack = list(reversed(row.roots.values()))
-    while stack:
-        node = stack.pop()
-        while True:
-            packed[node] = position
-            position += 1
-            if len(row.children[node]) != 1:
-                break
-            node = next(iter(row.children[node].values()))
-        stack.extend(reversed(row.children[node].values()))
-    return packed
 
 
 def tree_routes(row: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:

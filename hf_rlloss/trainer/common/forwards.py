@@ -183,14 +183,14 @@ class LossLayerForwards:
         layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask, output_router_logits)
         if layout is None:
             input_ids, attention_mask = prompt_and_completion(batch)
-            with routed_forward(self._routing, batch, packed=False, count=count):
+            with routed_forward(self._routing, batch, None, count=count):
                 out = self.compute_hidden_states(
                     unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
                 )
             hidden, router_logits = out if output_router_logits else (out, None)
             length = completion_ids.size(1)
             return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
-        with packed_forward(), routed_forward(self._routing, batch, packed=True, count=count):
+        with packed_forward(), routed_forward(self._routing, batch, layout, count=count):
             out = self.compute_hidden_states(
                 unwrapped, layout.input_ids, None, position_ids=layout.position_ids,
                 output_router_logits=output_router_logits, attention_kwargs=layout.attention_kwargs,
@@ -201,10 +201,11 @@ class LossLayerForwards:
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         if self.sp_mesh is not None:  # this rank's loss terms of the packed micro-batch, aligned with ctx's labels
             micro_batch = inputs["sp_micro_batch"]
-            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch, inputs, count=True))
             loss, metrics = self._head_loss(unwrapped, hidden, ctx)
             counts = micro_batch.layout.metrics(loss.device)  # the SP group's row: counted on its first rank
-            return loss, {**metrics, **{k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}}
+            counts = {k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}
+            return loss, {**metrics, **counts, **self._routing_loss_metrics(loss.device)}
         hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs, count=True)
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
@@ -255,7 +256,7 @@ class LossLayerForwards:
         labels = micro_batch.shard(labels, ignore)  # (1, M_local): this rank's terms
 
         def sp_forward(unwrapped):
-            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch, batch))
             return self._valid_logps(unwrapped, hidden, labels, labels != ignore, truncation)
 
         return micro_batch.gather(self._call_through_wrapper(model, sp_forward), tuple(completion_ids.shape))
@@ -290,10 +291,17 @@ class LossLayerForwards:
             completion_mask[0, 0] = 1
         return pack_padding_free(prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-    def _sp_hidden_states(self, unwrapped: nn.Module, micro_batch: SPMicroBatch) -> torch.Tensor:
+    def _sp_hidden_states(
+        self, unwrapped: nn.Module, micro_batch: SPMicroBatch, batch: dict[str, Any] | None = None, count: bool = False
+    ) -> torch.Tensor:
         """`(1, N_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective);
-        the Ulysses attention gets the whole row's tree layout."""
-        with ulysses_sequence_parallel(self.sp_mesh):
+        the Ulysses attention gets the whole row's tree layout. An MoE policy under `routing_replay` replays (or, in
+        a π_old pass, records) the routes of `batch`'s tokens on the shard (`routing_replay.routed_forward`)."""
+        routing = None if batch is None else self._routing
+        with (
+            ulysses_sequence_parallel(self.sp_mesh),
+            routed_forward(routing, batch or {}, micro_batch.layout, count, self.sp_mesh),
+        ):
             return self.compute_hidden_states(
                 unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids,
                 attention_kwargs=micro_batch.attention_kwargs,
