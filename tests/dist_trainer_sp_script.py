@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _trainer_utils  # noqa: E402
 import torch  # noqa: E402
+from _models import tiny_moe  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
@@ -63,7 +64,11 @@ CASES = {
     # the same vanilla training with the other layouts ("off" under SP is padding-free, as SP always packs)
     "vanilla:padding_free": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "padding_free"}, False),
     "vanilla:off": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "off"}, False),
+    # MoE routing replay (R2: the π_old pass's experts, gathered from the SP shards, replayed in the loss forward of
+    # the off-policy second step, sharded as the row) on a tiny Qwen3-MoE; run by test_routing_replay.py only
+    "moe:old_policy": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"routing_replay": "old_policy"}, False),
 }
+DEFAULT_CASES = [name for name in CASES if not name.startswith("moe:")]
 
 
 # ours, and TRL's names computed per micro-batch (`clip_ratio/*`, `entropy`, `policy_loss`, `kl`)
@@ -79,6 +84,7 @@ PREFIXES = (
     "kl",
     "dynamic_sampling/",
     "packing/",
+    "routing/",
 )
 
 
@@ -165,7 +171,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num-iterations", type=int, default=2)
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     parser.add_argument("--check-errors", action="store_true")
     cli = parser.parse_args()
     torch.set_num_threads(1)
@@ -192,7 +198,7 @@ def main() -> None:
         RecordingTrainer.packed_lengths = []
         dynamic = extra.get("dynamic_sampling", False)
         trainer = RecordingTrainer(
-            make_model(tok),
+            tiny_moe(tok, "qwen3_moe", near_tied=False) if name.startswith("moe:") else make_model(tok),
             [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
             args=args,
             train_dataset=make_dataset(),

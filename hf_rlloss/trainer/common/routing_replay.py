@@ -212,8 +212,10 @@ def routes_from_layout(rows: torch.Tensor, layout: Any, shape: tuple[int, int]) 
 
 
 def set_batch_routes(batch: dict[str, Any], routes: torch.Tensor) -> dict[str, Any]:
-    """Store `(B, P + C, L, k)` routes in `batch` under `ROUTE_KEYS`, split at its prompt's width `P`."""
+    """Store `(B, P + C, L, k)` routes in `batch` under `ROUTE_KEYS`, split at its prompt's width `P`, as int32 (the
+    narrowest integer type gloo and NCCL gather: the batch is pooled over an SP group, gathered over the ranks)."""
     prompt_length = batch["prompt_ids"].size(1)
+    routes = routes.to(torch.int32)
     batch[ROUTE_KEYS[0]], batch[ROUTE_KEYS[1]] = routes[:, :prompt_length], routes[:, prompt_length:]
     return batch
 
@@ -480,7 +482,7 @@ def routed_forward(
             yield
         rows = torch.stack([torch.cat(calls) for calls in records], dim=1)  # (N_local, L, k)
         if sp_mesh is not None:  # every rank's shard, in rank order, without the SP padding
-            rows = sp_gather(rows.unsqueeze(0), sp_mesh, dim=1)[0, : layout.forwarded_tokens]
+            rows = sp_gather(rows.to(torch.int32).unsqueeze(0), sp_mesh, dim=1)[0, : layout.forwarded_tokens]
         routing.captured.append(routes_from_layout(rows, layout, shape))
         return
     routes = get_batch_routes(batch)
