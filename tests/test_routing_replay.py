@@ -403,7 +403,7 @@ def test_dynamic_sampling_replays_the_kept_rows_routes(tok, tmp_path):
     of rounds of other widths (prompts padded left, completions right, with -1) and the split into micro-batches: a
     route at every real token but the row's last generated one, none at padding, and π_old replaying them agrees with
     the sampler to float32 round-off (a route from another row would move it)."""
-    dataset = Dataset.from_dict({"prompt": [f"Q{i:02d}: add" + " 1+2" * (1 + i % 4 // 2) for i in range(16)]})
+    dataset = Dataset.from_dict({"prompt": [f"Q{i:02d}: add" + " 1" * i for i in range(16)]})  # 16 lengths
     args = RLLossGRPOConfig(
         output_dir=str(tmp_path), routing_replay="rollout", dynamic_sampling=True, dynamic_sampling_max_rounds=4,
         **{**BASE_ARGS, "max_steps": 2, "gradient_accumulation_steps": 2, "rl_loss": {"rollout_is": {}}},
@@ -412,7 +412,15 @@ def test_dynamic_sampling_replays_the_kept_rows_routes(tok, tmp_path):
         tiny_moe(tok, "qwen3_moe"), [_reward_constant_for_odd], args=args, train_dataset=dataset,
         processing_class=tok,
     )  # fmt: skip
-    seen, build = [], trainer.build_loss_context
+    seen, build, generate = [], trainer.build_loss_context, trainer._generate_and_score_completions
+    widths = []  # each round's prompt width
+
+    def generating(inputs):
+        batch = generate(inputs)
+        widths.append(batch["prompt_ids"].shape[1])
+        return batch
+
+    trainer._generate_and_score_completions = generating
 
     def recording(inputs):
         seen.append({k: inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_mask")})
@@ -422,10 +430,10 @@ def test_dynamic_sampling_replays_the_kept_rows_routes(tok, tmp_path):
     trainer.build_loss_context = recording
     trainer.train()
     logs = [h for h in trainer.state.log_history if "routing/disagreement" in h]
-    assert max(log["dynamic_sampling/rounds"] for log in logs) > 1  # refills happened
-    widths = set()
+    rounds = [int(log["dynamic_sampling/rounds"]) for log in logs]
+    steps = [widths[sum(rounds[:i]) : sum(rounds[: i + 1])] for i in range(len(rounds))]
+    assert any(len(set(step)) > 1 for step in steps), steps  # a step concatenated rounds of other prompt widths
     for micro_batch in seen:
-        widths.add(micro_batch["prompt_ids"].shape[1])
         mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).bool()
         has = micro_batch["routes"][..., 0, 0] >= 0  # (B, P + C)
         assert not (has & ~mask).any()  # no route at padding
