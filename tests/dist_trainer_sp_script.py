@@ -67,6 +67,9 @@ CASES = {
     # MoE routing replay (R2: the π_old pass's experts, gathered from the SP shards, replayed in the loss forward of
     # the off-policy second step, sharded as the row) on a tiny Qwen3-MoE; run by test_routing_replay.py only
     "moe:old_policy": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"routing_replay": "old_policy"}, False),
+    # R3 with HF generate on every rank (its share of the group's batch, routes recorded, pooled over the group):
+    # sampled, so compared with the sampler's log-probs rather than with one process
+    "moe:rollout": ({"rollout_is": {}}, {"routing_replay": "rollout"}, None),
 }
 DEFAULT_CASES = [name for name in CASES if not name.startswith("moe:")]
 
@@ -208,7 +211,8 @@ def main() -> None:
         generator = FixedWithLogprobs if with_logprobs else FixedCompletions
         if dynamic:  # prompts are drawn again, on any rank: completions must not depend on how often one was seen
             generator = StatelessWithLogprobs if with_logprobs else StatelessCompletions
-        trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
+        if with_logprobs is not None:  # None: HF generate itself
+            trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
         trainer.train()
         lengths = torch.tensor(RecordingTrainer.packed_lengths, dtype=torch.long)
         if trainer.accelerator.is_main_process:

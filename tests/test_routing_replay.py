@@ -298,25 +298,29 @@ def test_packed_layouts_and_sp_shards_replay_each_tokens_route(mode):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.skipif(
-    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="2 SP processes (~70 s): set HF_RLLOSS_FULL_MATRIX=1"
+    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="2 SP processes (~110 s): set HF_RLLOSS_FULL_MATRIX=1"
 )
 def test_sequence_parallel_old_policy_replay_matches_one_process(tmp_path):
     """`routing_replay="old_policy"` on a tiny Qwen3-MoE with sequence parallelism (sp=2, gloo, shared-prefix rows
     sharded over the group; `dist_trainer_sp_script.py`, case `moe:old_policy`): the π_old pass's routes gathered
     from the shards and the loss forward's replayed on them give one process's parameters and routing metrics; the
-    off-policy second step replays experts the updated routers would not all have chosen."""
+    off-policy second step replays experts the updated routers would not all have chosen. `"rollout"` with HF
+    generate on both ranks replays the sampler's routes on the shards: π_old matches the sampler."""
     import _launch
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_trainer_sp_script.py")
     results = {}
-    for name, procs, sp, per_device, per_eval in (("one", 1, 1, 4, 8), ("sp2", 2, 2, 4, 4)):
+    for name, procs, sp, per_device, per_eval, cases in (
+        ("one", 1, 1, 4, 8, ["moe:old_policy"]),
+        ("sp2", 2, 2, 4, 4, ["moe:old_policy", "moe:rollout"]),
+    ):
         out = tmp_path / f"{name}.pt"
         cmd = [*_launch.torchrun(procs), script, "--out", str(out), "--sp", str(sp), "--per-device-batch-size",
-               str(per_device), "--eval-batch-size", str(per_eval), "--cases", "moe:old_policy"]  # fmt: skip
+               str(per_device), "--eval-batch-size", str(per_eval), "--cases", *cases]  # fmt: skip
         result = _launch.run(cmd, timeout=480, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-6000:]
-        results[name] = torch.load(out, weights_only=False)["cases"]["moe:old_policy"]
-    one, sp2 = results["one"], results["sp2"]
+        results[name] = torch.load(out, weights_only=False)["cases"]
+    one, sp2 = results["one"]["moe:old_policy"], results["sp2"]["moe:old_policy"]
     # float32 round-off of the Ulysses all-to-alls and of the sharded packed row: 1e-5 as the other SP parity tests
     diff = max((one["params"][k] - sp2["params"][k]).abs().max().item() for k in one["params"])
     assert diff < 1e-5, diff
@@ -327,6 +331,10 @@ def test_sequence_parallel_old_policy_replay_matches_one_process(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
         assert a["routing/replayed_tokens"] > 0
     assert steps[0][0]["routing/disagreement"] == 0.0 and steps[0][1]["routing/disagreement"] > 0.0
+    # "rollout" under SP: each rank's HF generate recorded its rows' routes, pooled over the group; π_old replaying
+    # them on the shards matches the (fp32) sampler to round-off (see test_trainer_rollout_replay_*)
+    for log in [h for h in results["sp2"]["moe:rollout"]["history"] if "loss/total" in h]:
+        assert log["mismatch/mismatch_logprob_abs_diff"] < 1e-5 and log["routing/replayed_tokens"] > 0
 
 
 def _trainer(tok, tmp_path, model, **options):
