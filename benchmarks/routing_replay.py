@@ -64,7 +64,7 @@ def one_forward(tok, family: str, near_tied: bool) -> dict[str, dict[str, float]
     routes = batch_routes(prompts, completions, p, completion.shape[1])
     mask = torch.cat([enc["attention_mask"], torch.ones_like(completion)], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    targets = layout_routes(routes, mask[:, :p], mask[:, p:], packed=False)
+    targets = layout_routes(routes)
     results = {}
     for name, replayed in (("live", False), ("replay", True)):
         replay.live()

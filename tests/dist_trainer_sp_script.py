@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _trainer_utils  # noqa: E402
 import torch  # noqa: E402
+from _models import tiny_moe  # noqa: E402
 from _trainer_utils import (  # noqa: E402
     BASE_ARGS,
     FixedCompletions,
@@ -63,7 +64,14 @@ CASES = {
     # the same vanilla training with the other layouts ("off" under SP is padding-free, as SP always packs)
     "vanilla:padding_free": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "padding_free"}, False),
     "vanilla:off": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "off"}, False),
+    # MoE routing replay (R2: the π_old pass's experts, gathered from the SP shards, replayed in the loss forward of
+    # the off-policy second step, sharded as the row) on a tiny Qwen3-MoE; run by test_routing_replay.py only
+    "moe:old_policy": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"routing_replay": "old_policy"}, False),
+    # R3 with HF generate on every rank (its share of the group's batch, routes recorded, pooled over the group):
+    # sampled, so compared with the sampler's log-probs rather than with one process
+    "moe:rollout": ({"rollout_is": {}}, {"routing_replay": "rollout"}, None),
 }
+DEFAULT_CASES = [name for name in CASES if not name.startswith("moe:")]
 
 
 # ours, and TRL's names computed per micro-batch (`clip_ratio/*`, `entropy`, `policy_loss`, `kl`)
@@ -79,6 +87,7 @@ PREFIXES = (
     "kl",
     "dynamic_sampling/",
     "packing/",
+    "routing/",
 )
 
 
@@ -165,7 +174,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num-iterations", type=int, default=2)
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     parser.add_argument("--check-errors", action="store_true")
     cli = parser.parse_args()
     torch.set_num_threads(1)
@@ -192,7 +201,7 @@ def main() -> None:
         RecordingTrainer.packed_lengths = []
         dynamic = extra.get("dynamic_sampling", False)
         trainer = RecordingTrainer(
-            make_model(tok),
+            tiny_moe(tok, "qwen3_moe", near_tied=False) if name.startswith("moe:") else make_model(tok),
             [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
             args=args,
             train_dataset=make_dataset(),
@@ -202,7 +211,8 @@ def main() -> None:
         generator = FixedWithLogprobs if with_logprobs else FixedCompletions
         if dynamic:  # prompts are drawn again, on any rank: completions must not depend on how often one was seen
             generator = StatelessWithLogprobs if with_logprobs else StatelessCompletions
-        trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
+        if with_logprobs is not None:  # None: HF generate itself
+            trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
         trainer.train()
         lengths = torch.tensor(RecordingTrainer.packed_lengths, dtype=torch.long)
         if trainer.accelerator.is_main_process:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
+from .common.routing_replay import ROUTING_REPLAY_MODES
 from .grpo_config import parse_rl_loss, validate_rl_loss
 
 __all__ = [
@@ -96,9 +97,11 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Run the chunked LM head in float32 (as `GRPOConfig.cast_lm_head_to_fp32`).
         routing_replay (`str`, *optional*, defaults to `"off"`):
-            MoE routing replay (`RLLossGRPOConfig.routing_replay`) is not supported by the asynchronous trainer yet:
-            its samples carry no routed experts (neither the CPU worker nor TRL's vLLM worker returns them) and its
-            packed forwards have no replay layout; any other value than `"off"` is refused.
+            MoE routing replay (`RLLossGRPOConfig.routing_replay`, `async_/routing.py`): `"rollout"` replays in
+            every forward of a packed row (π_old, the reference, the loss) the experts `HFGenerateRolloutWorker`
+            recorded during its HF `generate`, shipped with each sample (a token shared by several samples of a
+            row replays the first one's); `"old_policy"` replays in the loss forward the experts of the row's π_old
+            pass (not with `behavior_as_old_policy`, which has no such pass). See docs/routing_replay.md.
 
     The validated loss configuration is `config.rl_loss_config`.
     """
@@ -133,7 +136,10 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
     cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Run the chunked LM head in float32."})
     routing_replay: str = field(
         default="off",
-        metadata={"help": "MoE routing replay: only 'off' here (RLLossGRPOConfig.routing_replay: the sync trainer)."},
+        metadata={
+            "help": "MoE routing replay: 'rollout' (the experts the rollout worker's HF generate chose, replayed in "
+            "every forward), 'old_policy' (the pi_old pass's experts, replayed in the loss forward) or 'off'."
+        },
     )
     num_mini_batches: int = field(
         default=1,
@@ -167,11 +173,14 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         if self.tree_attention not in TREE_ATTENTION_BACKENDS:
             allowed = ", ".join(TREE_ATTENTION_BACKENDS)
             raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {allowed}")
-        if self.routing_replay != "off":
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            allowed = ", ".join(map(repr, ROUTING_REPLAY_MODES))
+            raise ValueError(f"routing_replay={self.routing_replay!r}; expected one of {allowed}")
+        if self.routing_replay == "old_policy" and self.behavior_as_old_policy:
             raise ValueError(
-                f"routing_replay={self.routing_replay!r} is not supported by RLLossAsyncGRPOTrainer: its samples "
-                "carry no routed experts (neither the CPU worker nor TRL's vLLM worker returns them); use 'off', or "
-                "RLLossGRPOTrainer, whose routing_replay supports 'rollout' and 'old_policy'"
+                "routing_replay='old_policy' replays the experts of the trainer's π_old pass, which "
+                "behavior_as_old_policy=True skips (π_old is then the sampler's): set behavior_as_old_policy=False, "
+                "or routing_replay='rollout' (the sampler's experts)"
             )
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")

@@ -54,6 +54,7 @@ from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.layouts import model_layouts, switch_attention, zero_attention_dropout
 from ..parallel.tree_attention import register_tree_attention
 from .async_ import resume as rollout_resume
+from .async_.routing import AsyncRoutingReplay, collate_routes
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
@@ -155,6 +156,7 @@ class PackedRow:
     advantages: torch.Tensor  # (M,)
     num_tokens: torch.Tensor  # (S,) trained tokens of each sample (the loss terms are grouped by sample)
     sample_versions: torch.Tensor | None = None  # (S,) the policy version that sampled each sample
+    routed_experts: torch.Tensor | None = None  # (N, L, k) MoE routes replayed per packed position (routing_replay)
 
 
 def keep_samples(row: PackedRow, keep: torch.Tensor) -> PackedRow:
@@ -190,6 +192,7 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
     else:
         samples = int(segment_id.max()) + 1 if segment_id.numel() else 0
     versions = inputs["sample_versions"][0, :samples] if "sample_versions" in inputs else None
+    routes = inputs["routed_experts"][mask] if "routed_experts" in inputs else None  # (N, L, k)
     return PackedRow(
         input_ids=inputs["input_ids"][mask].unsqueeze(0),
         position_ids=inputs["position_ids"][mask].unsqueeze(0),
@@ -200,6 +203,7 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
         advantages=inputs["advantages"][selected].float(),
         num_tokens=torch.bincount(segment_id, minlength=samples),
         sample_versions=versions,
+        routed_experts=routes,
     )
 
 
@@ -232,6 +236,9 @@ class _VersionedDataset(RolloutQueueDataset):
             taken = counting.taken
             self.metrics["async/dropped_stale_frac"].append((float(dropped), float(dropped + 1)))
             item["model_version"] = counting.last.model_version
+            routes = getattr(counting.last, "routed_experts", None)  # MoE routing replay (async_/routing.py)
+            if routes is not None:
+                item["routed_experts"] = routes
             yield item
 
 
@@ -254,10 +261,15 @@ class _VersionedCollator(DataCollatorForRollout):
         batch["sample_versions"] = versions
         groups = sorted({int(sample["group_id"]) for row in rows for sample in row.samples})
         batch["micro_batch_groups"] = torch.tensor([groups or [-1]] * len(rows), dtype=torch.long)
+        mask = batch["attention_mask"].bool()
+        ids = [batch["input_ids"][r][mask[r]] for r in range(len(rows))]
+        routes = collate_routes(rows, ids, mask.shape[1], self.metrics)  # MoE routing replay: (R, N, L, k)
+        if routes is not None:
+            batch["routed_experts"] = routes
         return batch
 
 
-class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
+class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTrainer):
     r"""
     TRL's [`~trl.experimental.async_grpo.AsyncGRPOTrainer`] (rollout worker and queue, staleness filter, weight sync,
     prefix-trie packing unchanged) whose loss is the hf_rlloss loss layer, configured by `args.rl_loss` as in
@@ -315,6 +327,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
         _check_worker_logprobs(rollout_worker)
+        self._check_routes_source(args.routing_replay, rollout_worker)
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)
         with portable_async_trl("cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda"):
             super().__init__(
@@ -352,6 +365,8 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         self._rl_resumed_weights = False  # the worker resumes with its saved policy versions: no cold sync
         if self.accelerator.is_main_process:
             rollout_resume.check_fixed_lag_setup(rollout_worker, weight_transfer, args, self.accelerator.num_processes)
+        reference_lm = None if self.ref_model is None else causal_lm(self.accelerator.unwrap_model(self.ref_model))
+        self._setup_routing_replay(args.routing_replay, causal_lm(unwrapped), reference_lm)
 
     def _build_reference(self, source: Any) -> nn.Module | None:
         """The reference model (`None` without KL, or when it is the policy with its adapter disabled)."""
@@ -506,7 +521,7 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             data["old_logprobs"] = behavior
         else:
             data["rollout_logprobs"] = behavior
-            old = self._no_grad_logprobs(self.model, row, self._truncation)
+            old = self._no_grad_logprobs(self.model, row, self._truncation, role="old")
             if self._truncation is None:
                 data["old_logprobs"] = old.unsqueeze(0)
             else:
@@ -540,9 +555,10 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         return (hidden, out.router_logits) if output_router_logits else hidden
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: nn.Module, row: PackedRow, truncation=None) -> torch.Tensor:
+    def _no_grad_logprobs(self, model: nn.Module, row: PackedRow, truncation=None, role="reference") -> torch.Tensor:
         """`(M,)` float32 log-probs of the row's targets under `model` (`(M, 2)` with the kept log-mass under
-        `truncation`), without gradient and without activation checkpointing."""
+        `truncation`), without gradient and without activation checkpointing; `role` (`"old"`: the π_old pass, or
+        `"reference"`) says what an MoE model's routers replay (`AsyncRoutingReplay._routed_pass`)."""
 
         def forward(unwrapped):
             hidden = self.tree_hidden_states(unwrapped, row)[0]
@@ -550,7 +566,8 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
             return self._valid_logps(unwrapped, hidden, row.labels, valid, truncation)
 
         with activation_checkpointing_disabled(self.model, self.args.activation_checkpointing_kwargs):
-            out = self._call_through_wrapper(model, forward)
+            with self._routed_pass(row, role):
+                out = self._call_through_wrapper(model, forward)
         return out[:, 0] if truncation is None else out
 
     def _reference_logprobs(self, row: PackedRow) -> torch.Tensor:
@@ -564,12 +581,15 @@ class RLLossAsyncGRPOTrainer(LossLayerForwards, AsyncGRPOTrainer):
         """The micro-batch's `(loss, metrics)`; for an MoE policy whose router loss is trained (`aux_loss_enabled`,
         as TRL's async trainer) plus `router_aux_loss_coef` × the model's own load-balancing loss over the packed
         row's forwarded tokens (TRL's `aux_loss` over the same row)."""
+        with self._routed_pass(ctx.packed_row, "loss", count=True):  # MoE routing replay
+            out = self.tree_hidden_states(unwrapped, ctx.packed_row, output_router_logits=self.aux_loss_enabled)
+        hidden, router_logits = out if self.aux_loss_enabled else (out, None)
+        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
+        metrics = {**metrics, **self._routing_loss_metrics(loss.device)}
         if not self.aux_loss_enabled:
-            return self._head_loss(unwrapped, self.tree_hidden_states(unwrapped, ctx.packed_row), ctx)
-        hidden, router_logits = self.tree_hidden_states(unwrapped, ctx.packed_row, output_router_logits=True)
+            return loss, metrics
         lm = causal_lm(unwrapped)
         aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, None)
-        loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         return self._add_router_aux_loss(loss, metrics, aux_loss, "train")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

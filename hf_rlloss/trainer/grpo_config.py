@@ -533,13 +533,12 @@ class RLLossGRPOConfig(GRPOConfig):
             raise ValueError(f"routing_replay={mode!r}; expected one of {', '.join(map(repr, ROUTING_REPLAY_MODES))}")
         if mode == "off":
             return
-        refusals = {
-            "sp_size > 1": self.sp_size > 1,  # the routes are not sharded with the packed row yet
-            "dynamic_sampling": self.dynamic_sampling,  # the refill rounds' routes are not merged yet
-        }
+        refusals = {}
         if mode == "rollout":
-            # vLLM returns routed experts only with --enable-return-routed-experts, which TRL does not pass through
-            refusals["use_vllm (TRL's vLLM client returns no routed experts)"] = self.use_vllm
+            # vLLM (0.32) returns each request's routed experts with enable_return_routed_experts=True
+            # (CompletionOutput.routed_experts); TRL neither starts its engine with it nor returns them
+            vllm = "use_vllm (TRL's vLLM generation returns no routed experts: vLLM's enable_return_routed_experts)"
+            refusals[vllm] = self.use_vllm
             refusals["use_transformers_continuous_batching (no per-step router calls to record)"] = (
                 self.use_transformers_continuous_batching
             )

@@ -278,8 +278,6 @@ class RLLossGRPOTrainer(
             if self.aux_loss_enabled and mode == "shared_prefix":
                 # A shared prompt would count once in the router's token means instead of G times (docs/packing.md)
                 mode, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
-            elif getattr(args, "routing_replay", "off") != "off" and mode == "shared_prefix":
-                mode, reason = "padding_free", "routing_replay: each row replays the routes of its own prompt"
             # the model's layers, attention dropout, its attention switched (hf_rlloss.parallel.layouts)
             mode, why = prepare_packing(mode, self._causal_lm(unwrapped), getattr(args, "disable_dropout", False))
             reason = why or reason

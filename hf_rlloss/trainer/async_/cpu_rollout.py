@@ -24,6 +24,7 @@ timing; a run is then repeatable, and resumable bit-exactly from a checkpoint (`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -42,8 +43,10 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel
+from .routing import sample_routes
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "batch_seed", "group_advantages"]
 
@@ -107,6 +110,7 @@ class _Settings:
     threads: int
     dtype: str
     chat_template_kwargs: dict[str, Any]
+    routing_replay: str = "off"  # "rollout": record the routers during generate, ship the routes with the samples
     parent_pid: int = 0  # the trainer's process: the worker exits when it is gone
     seed: int = 0  # `batch_seed`'s
     fixed_lag: int | None = None
@@ -131,7 +135,9 @@ class HFGenerateRolloutWorker:
         record_logprobs (`bool`, *optional*, defaults to `True`): record the sampled tokens' log-probs (rollout IS
             and the mismatch metrics need them); `False` sends NaN.
         shared_prompt_generation (`bool`, *optional*, defaults to `True`): prefill each prompt once for its
-            `num_generations` rows (`shared_prefill.sharing_prompts`); `False` prefills every row.
+            `num_generations` rows (`shared_prefill.sharing_prompts`); `False` prefills every row. Under
+            `args.routing_replay="rollout"` every row is prefilled (the routes are recorded row by row), and each
+            sample carries its tokens' MoE routes (`routed_experts`, `async_/routing.py`).
         groups_per_batch (`int`, *optional*): prompts per `generate` call; defaults to one optimizer step's worth.
         weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
             experiment's knob: samples then lag the trainer by at least `weight_lag` versions).
@@ -181,6 +187,8 @@ class HFGenerateRolloutWorker:
             raise ValueError("HFGenerateRolloutWorker needs a dataset with a 'prompt' column")
         funcs = list(reward_funcs or [])
         self.records_logprobs = record_logprobs
+        routing_replay = getattr(args, "routing_replay", "off")
+        self.records_routes = routing_replay == "rollout"  # read by RLLossAsyncGRPOTrainer
         self._settings = _Settings(
             model_path=model,
             prompts=rows,
@@ -208,6 +216,7 @@ class HFGenerateRolloutWorker:
             seed=args.seed,
             fixed_lag=fixed_lag,
             weight_sync_steps=args.weight_sync_steps,
+            routing_replay=routing_replay,
         )
         self.fixed_lag = fixed_lag
         ctx = mp.get_context("spawn")
@@ -408,6 +417,7 @@ class _WorkerLoop:
         dtype = {"auto": "auto"}.get(self.s.dtype, getattr(torch, self.s.dtype))
         self.model = AutoModelForCausalLM.from_pretrained(self.s.model_path, dtype=dtype, attn_implementation="sdpa")
         self.model.eval()
+        self.routing = RoutingReplay().attach(self.model) if self.s.routing_replay == "rollout" else None
         self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
 
     def load_resume_weights(self) -> None:
@@ -532,10 +542,13 @@ class _WorkerLoop:
         rows, _, encoded = self._next_prompts()
         version = self.version
         recorder = SampledTokenLogprobs()
+        routing = contextlib.nullcontext([]) if self.routing is None else self.routing.recording()
+        share = s.shared_prompt_generation and self.routing is None  # routes are recorded row by row
         with (
             torch.random.fork_rng(devices=[]),
             recording_logprobs(self.model, recorder),
-            sharing_prompts(self.model, s.shared_prompt_generation),
+            sharing_prompts(self.model, share),
+            routing as records,
         ):
             torch.manual_seed(seed)
             out = self.model.generate(
@@ -544,7 +557,11 @@ class _WorkerLoop:
         prompt_len = encoded["input_ids"].shape[1]
         completions = [_cut_at_eos(ids, self.eos_ids) for ids in out[:, prompt_len:].tolist()]
         recorded = recorder.per_completion(completions, s.support) if s.record_logprobs else None
-        return self._score_groups(rows, encoded, completions, recorded, version)
+        samples = self._score_groups(rows, encoded, completions, recorded, version)
+        if self.routing is not None:  # MoE routing replay: each sample's (p + c, L, k) routes
+            routes = generation_routes(records, encoded["attention_mask"], [len(c) for c in completions])
+            samples = [sample_routes(*parts) for parts in zip(samples, *routes, strict=True)]
+        return samples
 
     def _score_group(self, row, encoded, completions, index, recorded, version) -> list[RolloutSample]:
         s, tok = self.s, self.s.tokenizer

@@ -44,6 +44,12 @@ class VLLMRolloutWorker(HFGenerateRolloutWorker):
     def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: float = 1.0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         s = self._settings
+        if s.routing_replay == "rollout":
+            raise ValueError(
+                "routing_replay='rollout' with VLLMRolloutWorker: its samples carry no routed experts (the engine "
+                "would need enable_return_routed_experts=True and its per-token routes mapped onto the samples); use "
+                "HFGenerateRolloutWorker, or routing_replay='old_policy'"
+            )
         g = s.generation_kwargs
         truncated = (g.get("top_k") or 0) > 0 or (g.get("top_p") or 1.0) < 1.0 or (g.get("min_p") or 0.0) > 0.0
         if truncated and s.record_logprobs and s.support == "full":

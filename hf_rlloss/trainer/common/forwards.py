@@ -31,7 +31,7 @@ from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
 from .packing import PackedLayout, build_layout, pack_padding_free, packing_metrics
-from .routing_replay import routed_forward
+from .routing_replay import get_batch_routes, routed_forward, set_batch_routes
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
@@ -144,7 +144,7 @@ class LossLayerForwards:
         input_ids, attention_mask = prompt_and_completion(batch)
         logits_to_keep = batch["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size if self.model.training else None
-        routes = batch.get("routed_experts") if self._routing_mode == "rollout" else None  # MoE: R3 replays them
+        routes = get_batch_routes(batch) if self._routing_mode == "rollout" else None  # MoE: R3 replays them
         args = (input_ids, attention_mask, logits_to_keep, batch_size, None, multimodal_inputs(batch), routes)
         if self.ref_model is not None:
             return self.compute_per_token_logps(self.ref_model, *args)
@@ -172,7 +172,7 @@ class LossLayerForwards:
             router logits (else `None`) and the attention mask over their tokens (`None` for a packed row, where
             every position is a token); the number of positions forwarded.
 
-        An MoE policy under `routing_replay` routes the forward through `batch["routed_experts"]` (or captures its
+        An MoE policy under `routing_replay` routes the forward through the batch's routes (or captures its
         routes in a π_old pass; `routing_replay.routed_forward`); `count`: the loss forward counts the disagreement.
         """
         vision = multimodal_inputs(batch)  # VLM: never packed (see RLLossGRPOTrainer._setup_packing)
@@ -183,14 +183,14 @@ class LossLayerForwards:
         layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask, output_router_logits)
         if layout is None:
             input_ids, attention_mask = prompt_and_completion(batch)
-            with routed_forward(self._routing, batch, packed=False, count=count):
+            with routed_forward(self._routing, batch, None, count=count):
                 out = self.compute_hidden_states(
                     unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
                 )
             hidden, router_logits = out if output_router_logits else (out, None)
             length = completion_ids.size(1)
             return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
-        with packed_forward(), routed_forward(self._routing, batch, packed=True, count=count):
+        with packed_forward(), routed_forward(self._routing, batch, layout, count=count):
             out = self.compute_hidden_states(
                 unwrapped, layout.input_ids, None, position_ids=layout.position_ids,
                 output_router_logits=output_router_logits, attention_kwargs=layout.attention_kwargs,
@@ -201,10 +201,11 @@ class LossLayerForwards:
     def _loss_forward(self, unwrapped: nn.Module, inputs: dict[str, Any], ctx: BaseRLLossContext):
         if self.sp_mesh is not None:  # this rank's loss terms of the packed micro-batch, aligned with ctx's labels
             micro_batch = inputs["sp_micro_batch"]
-            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch, inputs, count=True))
             loss, metrics = self._head_loss(unwrapped, hidden, ctx)
             counts = micro_batch.layout.metrics(loss.device)  # the SP group's row: counted on its first rank
-            return loss, {**metrics, **{k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}}
+            counts = {k: on_first_sp_rank(v, self.sp_mesh) for k, v in counts.items()}
+            return loss, {**metrics, **counts, **self._routing_loss_metrics(loss.device)}
         hidden, _, _, forwarded = self._completion_hidden_states(unwrapped, inputs, count=True)
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
@@ -241,7 +242,7 @@ class LossLayerForwards:
         batch = {"prompt_ids": ids[:, :-logits_to_keep], "prompt_mask": mask[:, :-logits_to_keep]}
         batch.update(completion_ids=completion_ids, completion_mask=completion_mask, **(vision or {}))
         if routes is not None:
-            batch["routed_experts"] = routes
+            set_batch_routes(batch, routes)
         if self.sp_mesh is None:
 
             def forward(unwrapped):
@@ -255,7 +256,7 @@ class LossLayerForwards:
         labels = micro_batch.shard(labels, ignore)  # (1, M_local): this rank's terms
 
         def sp_forward(unwrapped):
-            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch))
+            hidden = micro_batch.term_hidden(self._sp_hidden_states(unwrapped, micro_batch, batch))
             return self._valid_logps(unwrapped, hidden, labels, labels != ignore, truncation)
 
         return micro_batch.gather(self._call_through_wrapper(model, sp_forward), tuple(completion_ids.shape))
@@ -290,10 +291,17 @@ class LossLayerForwards:
             completion_mask[0, 0] = 1
         return pack_padding_free(prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-    def _sp_hidden_states(self, unwrapped: nn.Module, micro_batch: SPMicroBatch) -> torch.Tensor:
+    def _sp_hidden_states(
+        self, unwrapped: nn.Module, micro_batch: SPMicroBatch, batch: dict[str, Any] | None = None, count: bool = False
+    ) -> torch.Tensor:
         """`(1, N_local, H)`: this rank's shard of the backbone's last hidden states of a packed row (collective);
-        the Ulysses attention gets the whole row's tree layout."""
-        with ulysses_sequence_parallel(self.sp_mesh):
+        the Ulysses attention gets the whole row's tree layout. An MoE policy under `routing_replay` replays (or, in
+        a π_old pass, records) the routes of `batch`'s tokens on the shard (`routing_replay.routed_forward`)."""
+        routing = None if batch is None else self._routing
+        with (
+            ulysses_sequence_parallel(self.sp_mesh),
+            routed_forward(routing, batch or {}, micro_batch.layout, count, self.sp_mesh),
+        ):
             return self.compute_hidden_states(
                 unwrapped, micro_batch.input_ids, None, position_ids=micro_batch.position_ids,
                 attention_kwargs=micro_batch.attention_kwargs,

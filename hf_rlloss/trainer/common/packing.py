@@ -46,6 +46,7 @@ __all__ = [
     "pack_shared_prefix",
     "packing_metrics",
     "prepare_packing",
+    "tree_positions",
 ]
 
 logger = logging.get_logger(__name__)
@@ -96,6 +97,9 @@ class PackedLayout:
             token `(b, c)`; 0 where `completion_mask` is 0.
         completion_mask (`torch.Tensor`): `(B, C)` bool: the completion tokens that are forwarded and predicted.
         padded_tokens (`int`): `B × (P + C)`, what the padded layout forwards.
+        grid_position (`torch.Tensor`, *optional*): `(B, P + C)` int64: the packed position forwarding each token of
+            the padded batch (prompt then completion), `-1` where none does (padding, a row left out); a shared
+            position is the position of every token it stands for. Per-token data (MoE routes) follows it.
     """
 
     mode: str
@@ -105,6 +109,7 @@ class PackedLayout:
     completion_index: torch.Tensor
     completion_mask: torch.Tensor
     padded_tokens: int
+    grid_position: torch.Tensor | None = None
 
     @property
     def forwarded_tokens(self) -> int:
@@ -214,10 +219,30 @@ def pack_padding_free(
     index[packed.rows, packed.cols] = packed.label_index
     mask = torch.zeros(completion_ids.shape, dtype=torch.bool, device=prompt_ids.device)
     mask[packed.rows, packed.cols] = True
+    keep = torch.cat([prompt_mask, completion_mask], dim=1).bool()  # (B, P + C): the tokens, in row-major order
+    grid = torch.where(keep, keep.reshape(-1).long().cumsum(0).reshape(keep.shape) - 1, -1)
     return PackedLayout(
         "padding_free", packed.input_ids, packed.position_ids, _segments(cu_seqlens, kv_index, cu_seqlens), index,
-        mask, prompt_ids.numel() + completion_ids.numel(),
+        mask, prompt_ids.numel() + completion_ids.numel(), grid,
     )  # fmt: skip
+
+
+def tree_positions(row: Any) -> list[int]:
+    """The packed position of each node of a TRL `TreeRow` (`node -> position`): its trie laid out in DFS pre-order,
+    unary chains contiguous, as `TreeRow.pack` lays it out."""
+    packed = [0] * len(row.tokens)
+    position = 0
+    stack = list(reversed(row.roots.values()))
+    while stack:
+        node = stack.pop()
+        while True:
+            packed[node] = position
+            position += 1
+            if len(row.children[node]) != 1:
+                break
+            node = next(iter(row.children[node].values()))
+        stack.extend(reversed(row.children[node].values()))
+    return packed
 
 
 def pack_shared_prefix(
@@ -239,11 +264,14 @@ def pack_shared_prefix(
     device = prompt_ids.device
     keep_prompt = _rows_with_completions(prompt_mask, completion_mask).bool()
     row = TreeRow()
+    keep = torch.cat([keep_prompt, completion_mask.bool()], dim=1).cpu()  # (B, P + C)
+    added = []  # the rows added to the trie, in order
     for b in range(prompt_ids.shape[0]):
         prompt = prompt_ids[b][keep_prompt[b]].cpu()
         completion = completion_ids[b][completion_mask[b].bool()].cpu()
         if completion.numel() == 0:
             continue
+        added.append(b)
         row.add({
             "input_ids": torch.cat([prompt, completion]),
             "completion_mask": torch.cat([torch.zeros_like(prompt), torch.ones_like(completion)]),
@@ -259,9 +287,13 @@ def pack_shared_prefix(
     index[rows, cols] = packed["token_index"].to(device)
     attention = _segments(packed["tree_cu_seqlens_q"], packed["tree_kv_index"], packed["tree_cu_seqlens_k"])
     attention = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in attention.items()}
+    positions = torch.tensor(tree_positions(row), dtype=torch.long)
+    grid = torch.full(keep.shape, -1, dtype=torch.long)
+    for b, nodes in zip(added, row.sample_nodes, strict=True):
+        grid[b, keep[b]] = positions[torch.tensor(nodes, dtype=torch.long)]
     return PackedLayout(
         "shared_prefix", packed["input_ids"].to(device).unsqueeze(0), packed["position_ids"].to(device).unsqueeze(0),
-        attention, index, completion_mask.bool(), prompt_ids.numel() + completion_ids.numel(),
+        attention, index, completion_mask.bool(), prompt_ids.numel() + completion_ids.numel(), grid.to(device),
     )  # fmt: skip
 
 

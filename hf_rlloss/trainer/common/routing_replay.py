@@ -16,8 +16,9 @@ chosen logits, sigmoid; top-k renormalization; routed scaling factor; a correcti
 is not applied to the weights). The router therefore keeps its gradient (through the gathered weights, as in R3),
 and `router_logits` (the router loss, TRL's `aux_loss`) are the model's own.
 
-Layout. Routes are kept per token like the batch: `routed_experts` `(B, P + C, L, k)` int16, aligned with
-`prompt_and_completion(batch)` (left-padded prompt, right-padded completion), `-1` where no route was recorded: the
+Layout. Routes are kept per token like the batch: `(B, P + C, L, k)` int16, aligned with
+`prompt_and_completion(batch)` (left-padded prompt, right-padded completion; in the batch as two keys, `ROUTE_KEYS`,
+padded like the prompt and the completion), `-1` where no route was recorded: the
 padding, the last generated token (never forwarded during generation; its hidden state predicts nothing), the tokens
 of tool results and of later turns. A token without a route is routed live (the model's own top-k). Each training
 forward gives its router rows the routes in its own layout (`layout_routes`): the padded batch (`B × (P + C)` rows)
@@ -43,8 +44,10 @@ import torch
 from torch import nn
 
 from ...loss.metrics import Reduction, register_finalizer, register_metric
+from ...parallel.sequence import sp_gather, sp_rank, sp_split
 
 __all__ = [
+    "ROUTE_KEYS",
     "ROUTER_FAMILIES",
     "ROUTING_REPLAY_MODES",
     "RoutingReplay",
@@ -52,14 +55,20 @@ __all__ = [
     "batch_routes",
     "find_routers",
     "generation_routes",
+    "get_batch_routes",
     "layout_routes",
     "routed_forward",
     "routes_from_layout",
     "routing_metrics",
+    "set_batch_routes",
 ]
 
 ROUTING_REPLAY_MODES = ("off", "rollout", "old_policy")
 NO_ROUTE = -1
+# The batch keys of the routes: the prompt's (left-padded, like `prompt_ids`) and the completion's (right-padded), so
+# that whatever pads, pools, gathers or concatenates a TRL batch's rows by key (`sp_batch.pad_rows_to_length`, with
+# `-1`) keeps them aligned with their tokens.
+ROUTE_KEYS = ("prompt_routed_experts", "completion_routed_experts")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -156,32 +165,66 @@ def find_routers(model: nn.Module) -> list[tuple[nn.Module, RouterFamily]]:
 # Layouts: `(B, S, L, k)` routes aligned with prompt + completion <-> the router rows of one forward
 
 
-def _kept_tokens(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """`(B, P + C)` bool: the tokens a `padding_free` row forwards, in row-major order (as `pack_padding_free`:
-    prompts of rows without completion tokens are dropped)."""
-    with_completion = completion_mask.bool().any(dim=1, keepdim=True)
-    return torch.cat([prompt_mask.bool() & with_completion, completion_mask.bool()], dim=1)
-
-
-def layout_routes(
-    routes: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor, packed: bool
-) -> torch.Tensor:  # (B, S, L, k) -> (N, L, k)
-    """The routes of a forward's router rows: the padded batch's `B × S` rows, or a `padding_free` row's tokens."""
-    if not packed:
+def layout_routes(routes: torch.Tensor, layout: Any = None) -> torch.Tensor:  # (B, S, L, k) -> (N, L, k)
+    """The routes of a forward's router rows: the padded batch's `B × S` rows (`layout=None`), or the positions of a
+    packed row (a `packing.PackedLayout`, through its `grid_position`). A position standing for several tokens (a
+    prompt shared by its G completions under `"shared_prefix"`) replays the route of its first row's token that has
+    one; `-1` where none has."""
+    if layout is None:
         return routes.reshape(-1, *routes.shape[2:])
-    return routes[_kept_tokens(prompt_mask, completion_mask).to(routes.device)]
+    grid = layout.grid_position.to(routes.device).reshape(-1)  # (B × S,)
+    flat = routes.reshape(-1, *routes.shape[2:])
+    candidate = torch.where((grid >= 0) & (flat[:, 0, 0] >= 0), grid, -1)  # the tokens with a route
+    index = torch.arange(grid.numel(), device=grid.device)
+    first = torch.full((layout.forwarded_tokens,), grid.numel(), dtype=torch.long, device=grid.device)
+    first = first.scatter_reduce(0, candidate.clamp(min=0), torch.where(candidate >= 0, index, grid.numel()), "amin")
+    padded = torch.cat([flat, flat.new_full((1, *flat.shape[1:]), NO_ROUTE)])  # row B × S: no route
+    return padded[first]
 
 
-def routes_from_layout(
-    rows: torch.Tensor, prompt_mask: torch.Tensor, completion_mask: torch.Tensor, packed: bool
-) -> torch.Tensor:  # (N, L, k) -> (B, S, L, k)
-    """The inverse of `layout_routes`: `-1` at the tokens the forward did not process."""
-    batch, length = prompt_mask.size(0), prompt_mask.size(1) + completion_mask.size(1)
-    if not packed:
-        return rows.reshape(batch, length, *rows.shape[1:])
-    out = torch.full((batch, length, *rows.shape[1:]), NO_ROUTE, dtype=rows.dtype, device=rows.device)
-    out[_kept_tokens(prompt_mask, completion_mask).to(rows.device)] = rows
+def shared_route_counts(routes: torch.Tensor, layout: Any) -> tuple[int, int]:
+    """Of the tokens of a packed layout whose position also stands for an earlier row's token (a shared prompt),
+    how many have a route, and how many of those differ from the one their position replays (`layout_routes`) in
+    the set of experts of at least one layer: `(shared, differing)`; `(0, 0)` for the padded batch."""
+    if layout is None or layout.mode != "shared_prefix":
+        return 0, 0
+    grid = layout.grid_position.to(routes.device).reshape(-1)
+    flat = routes.reshape(-1, *routes.shape[2:])
+    replayed = layout_routes(routes, layout)
+    mine = (grid >= 0) & (flat[:, 0, 0] >= 0)
+    index = torch.arange(grid.numel(), device=grid.device)
+    first = torch.full((layout.forwarded_tokens,), grid.numel(), dtype=torch.long, device=grid.device)
+    first = first.scatter_reduce(0, grid.clamp(min=0)[mine], index[mine], "amin")
+    shared = mine & (first[grid.clamp(min=0)] != index)
+    ours, theirs = flat[shared].sort(-1).values, replayed[grid[shared]].sort(-1).values
+    return int(shared.sum()), int((ours != theirs).flatten(1).any(dim=1).sum())
+
+
+def routes_from_layout(rows: torch.Tensor, layout: Any, shape: tuple[int, int]) -> torch.Tensor:
+    """The inverse of `layout_routes`: `(B, S, L, k)` from a forward's `(N, L, k)` router rows, each token given its
+    position's route (a shared position's to every token it stands for), `-1` at the tokens not forwarded."""
+    if layout is None:
+        return rows.reshape(*shape, *rows.shape[1:])
+    grid = layout.grid_position.to(rows.device)
+    out = torch.full((*shape, *rows.shape[1:]), NO_ROUTE, dtype=rows.dtype, device=rows.device)
+    out[grid >= 0] = rows[grid[grid >= 0]]
     return out
+
+
+def set_batch_routes(batch: dict[str, Any], routes: torch.Tensor) -> dict[str, Any]:
+    """Store `(B, P + C, L, k)` routes in `batch` under `ROUTE_KEYS`, split at its prompt's width `P`, as int32 (the
+    narrowest integer type gloo and NCCL gather: the batch is pooled over an SP group, gathered over the ranks)."""
+    prompt_length = batch["prompt_ids"].size(1)
+    routes = routes.to(torch.int32)
+    batch[ROUTE_KEYS[0]], batch[ROUTE_KEYS[1]] = routes[:, :prompt_length], routes[:, prompt_length:]
+    return batch
+
+
+def get_batch_routes(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The `(B, P + C, L, k)` routes of `batch` (`set_batch_routes`), or `None`."""
+    if batch.get(ROUTE_KEYS[0]) is None:
+        return None
+    return torch.cat([batch[ROUTE_KEYS[0]], batch[ROUTE_KEYS[1]]], dim=1)
 
 
 def batch_routes(
@@ -210,11 +253,15 @@ _DECISIONS = "routing_acc/decisions"
 _DIFFERING = "routing_acc/differing"
 _TOKENS = "routing_acc/tokens"
 _TOKENS_DIFFERING = "routing_acc/tokens_differing"
+_SHARED = "routing_acc/shared_tokens"
+_SHARED_DIFFERING = "routing_acc/shared_tokens_differing"
 for _name, _help in (
     (_DECISIONS, "replayed router decisions (token × MoE layer × k) of the loss forwards"),
     (_DIFFERING, "replayed decisions whose expert is not among the router's own top-k"),
     (_TOKENS, "tokens with a replayed route in the loss forwards"),
     (_TOKENS_DIFFERING, "tokens whose replayed route differs from the router's own in at least one layer"),
+    (_SHARED, "tokens of a shared prompt position replaying an earlier row's route (packing='shared_prefix')"),
+    (_SHARED_DIFFERING, "of those, the tokens whose own recorded route differs in at least one layer"),
 ):
     register_metric(_name, Reduction.SUM, _help)
 
@@ -226,17 +273,20 @@ def _log_routing_metrics(reduced: dict[str, float]) -> dict[str, float]:
     (tokens with a replayed route)."""
     if _DECISIONS not in reduced:
         return {}
-    decisions, tokens = reduced[_DECISIONS], reduced[_TOKENS]
-    return {
+    decisions, tokens, shared = reduced[_DECISIONS], reduced[_TOKENS], reduced.get(_SHARED, 0.0)
+    out = {
         "routing/disagreement": reduced[_DIFFERING] / decisions if decisions > 0 else 0.0,
         "routing/tokens_differing": reduced[_TOKENS_DIFFERING] / tokens if tokens > 0 else 0.0,
         "routing/replayed_tokens": tokens,
     }
+    if shared > 0:
+        out["routing/shared_tokens_differing"] = reduced[_SHARED_DIFFERING] / shared
+    return out
 
 
 def routing_metrics(counts: dict[str, float], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """The 0-dim accumulators of one loss forward (`RoutingReplay.take_counts`), to merge into the loss metrics."""
-    names = (_DECISIONS, _DIFFERING, _TOKENS, _TOKENS_DIFFERING)
+    names = (_DECISIONS, _DIFFERING, _TOKENS, _TOKENS_DIFFERING, _SHARED, _SHARED_DIFFERING)
     return {name: torch.tensor(float(counts.get(name, 0.0)), device=device) for name in names}
 
 
@@ -416,23 +466,34 @@ def generation_routes(
 
 @contextlib.contextmanager
 def routed_forward(
-    routing: RoutingReplay | None, batch: dict[str, Any], packed: bool, count: bool = False
+    routing: RoutingReplay | None, batch: dict[str, Any], layout: Any = None, count: bool = False, sp_mesh: Any = None
 ) -> Iterator[None]:
-    """Route one training forward of `batch` (its `prompt_mask`, `completion_mask` and, when recorded,
-    `routed_experts` `(B, S, L, k)`) laid out padded or packed `padding_free`: replay its routes, or, while
-    `routing.captured` is a list (an `"old_policy"` π_old pass), record the forward's routes into it `(B, S, L, k)`."""
+    """Route one training forward of `batch` (its prompt and completion, and when recorded its routes
+    `(B, S, L, k)`, `get_batch_routes`) laid out padded (`layout=None`) or as a packed row (`packing.PackedLayout`),
+    of which, under sequence parallelism (`sp_mesh`), this rank forwards its contiguous shard (`sp_split`): replay
+    its routes, or, while `routing.captured` is a list (an `"old_policy"` π_old pass), record the forward's routes
+    into it `(B, S, L, k)`. With `count`, the disagreement (and a shared prompt's) is counted."""
     if routing is None:
         yield
         return
-    prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
+    shape = (batch["prompt_ids"].size(0), batch["prompt_ids"].size(1) + batch["completion_ids"].size(1))
     if routing.captured is not None:
         with routing.recording() as records:
             yield
-        rows = torch.stack([torch.cat(calls) for calls in records], dim=1)  # (N, L, k)
-        routing.captured.append(routes_from_layout(rows, prompt_mask, completion_mask, packed))
+        rows = torch.stack([torch.cat(calls) for calls in records], dim=1)  # (N_local, L, k)
+        if sp_mesh is not None:  # every rank's shard, in rank order, without the SP padding
+            rows = sp_gather(rows.to(torch.int32).unsqueeze(0), sp_mesh, dim=1)[0, : layout.forwarded_tokens]
+        routing.captured.append(routes_from_layout(rows, layout, shape))
         return
-    routes = batch.get("routed_experts")
-    targets = None if routes is None else layout_routes(routes, prompt_mask, completion_mask, packed)
+    routes = get_batch_routes(batch)
+    targets = None if routes is None else layout_routes(routes, layout)
+    if targets is not None and sp_mesh is not None:  # this rank's shard of the row, padded as `sp_shard_inputs`
+        targets = sp_split(targets.unsqueeze(0), sp_mesh, 1, NO_ROUTE)[0]
+    if count and routes is not None:
+        shared, differing = shared_route_counts(routes, layout)
+        if shared and (sp_mesh is None or sp_rank(sp_mesh) == 0):  # the SP group's row: counted on its first rank
+            routing.counts[_SHARED] = routing.counts.get(_SHARED, 0.0) + shared
+            routing.counts[_SHARED_DIFFERING] = routing.counts.get(_SHARED_DIFFERING, 0.0) + differing
     with routing.replay(targets, count=count):
         yield
 
@@ -440,7 +501,7 @@ def routed_forward(
 class RoutingReplayTrainer:
     """The trainer's side of routing replay (mixed into `RLLossGRPOTrainer`): the hooks on the policy and the
     reference, the routes recorded during HF `generate` (`"rollout"`) or captured in the π_old pass
-    (`"old_policy"`), and the batch's `routed_experts` the training forwards replay (`routed_forward`)."""
+    (`"old_policy"`), and the batch's routes (`ROUTE_KEYS`) the training forwards replay (`routed_forward`)."""
 
     _routing: RoutingReplay | None = None
     _routing_mode = "off"
@@ -505,21 +566,17 @@ class RoutingReplayTrainer:
             self._routing.captured = None
 
     def _routing_add_rollout_routes(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """`batch["routed_experts"]` from generation (`"rollout"`)."""
+        """The batch's routes (`ROUTE_KEYS`) from generation (`"rollout"`)."""
         shape = (batch["prompt_ids"].size(0), batch["prompt_ids"].size(1), batch["completion_ids"].size(1))
         routes = self._routing_rollout_routes(*shape)
         self._routing_generated = []
-        if routes is not None:
-            batch["routed_experts"] = routes
-        return batch
+        return batch if routes is None else set_batch_routes(batch, routes)
 
     def _routing_add_captured(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """`batch["routed_experts"]` from the π_old pass (`"old_policy"`); none when every micro-batch is
+        """The batch's routes (`ROUTE_KEYS`) from the π_old pass (`"old_policy"`); none when every micro-batch is
         on-policy (the loss forward is then the π_old pass itself)."""
         captured, self._routing_captured = self._routing_captured, None
-        if captured is not None:
-            batch["routed_experts"] = captured
-        return batch
+        return batch if captured is None else set_batch_routes(batch, captured)
 
     def _routing_loss_metrics(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The disagreement accumulators of the loss forward just run (`routing/*`), or none when replay is off."""

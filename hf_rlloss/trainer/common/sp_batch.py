@@ -129,9 +129,12 @@ class SPMicroBatch:
 
 def pool_fill_value(key: str, pad_token_id: int) -> float:
     """The value a TRL batch key is padded with when the group's batches are brought to one length: the pad token
-    for ids, 1 for the multipliers (`tool_mask`, TRL's `importance_sampling_ratio`), 0 for masks and log-probs."""
+    for ids, 1 for the multipliers (`tool_mask`, TRL's `importance_sampling_ratio`), -1 (no route) for MoE routes
+    (`routing_replay.ROUTE_KEYS`), 0 for masks and log-probs."""
     if key.endswith("_ids"):
         return pad_token_id
+    if key.endswith("routed_experts"):
+        return -1
     return 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
 
 
