@@ -290,6 +290,8 @@ def test_decoding_writes_into_one_preallocated_buffer_and_gives_the_ordinary_res
     model = _tiny(family)
     ids, mask = _batch()
     new = 10
+    # the buffers are sized from either way of giving the length
+    length = dict(max_new_tokens=new) if family == "llama" else dict(max_length=ids.size(1) + new)
     writes = {}  # layer -> (buffer address, capacity, filled positions) after each update
     update = PreallocatedLayer.update
 
@@ -313,8 +315,7 @@ def test_decoding_writes_into_one_preallocated_buffer_and_gives_the_ordinary_res
         writes.clear(), concatenated.clear()
         recorder = SampledTokenLogprobs()
         with torch.no_grad(), recording_logprobs(model, recorder), sharing_prompts(model, share, preallocate):
-            # max_length, not max_new_tokens: the buffers are sized from either
-            out = model.generate(input_ids=ids, attention_mask=mask, max_length=ids.size(1) + new, eos_token_id=None)
+            out = model.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **length)
         runs[name] = out[:, ids.size(1) :], recorder.finish(out[:, -1])[0]
         full = [t for t in model.config.layer_types if t == "full_attention"] if family == "gemma2" else [0, 1]
         if name == "prealloc":
