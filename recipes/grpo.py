@@ -26,10 +26,12 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import hub_origin, resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
+from hf_rlloss.recipe_support.cpu_precision import FALLBACK_NOTE, needs_float32_fallback
 from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
 from hf_rlloss.trainer.sync.checkpoints import latest_complete_checkpoint
+from hf_rlloss.trainer.sync.vllm import shutdown_vllm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class GRPOScriptArguments(ScriptArguments):
         plot (`bool`, *optional*, defaults to `True`): write `metrics.jsonl` and `training_curves.png`.
         cpu_threads (`int`, *optional*): torch threads of a single CPU process; defaults to every core the process
             may run on (`accelerate launch` sets `OMP_NUM_THREADS=1` unless told otherwise).
+        cpu_bf16_fallback (`bool`, *optional*, defaults to `True`): train in float32 when `bf16` is asked for on a
+            CPU without AVX-512, where bf16 autocast runs on slow reference kernels
+            (`hf_rlloss.recipe_support.cpu_precision`); one line says so.
     """
 
     dataset_name: str = field(default=ARITHMETIC, metadata={"help": "builtin:arithmetic or a hub dataset/path"})
@@ -66,6 +71,9 @@ class GRPOScriptArguments(ScriptArguments):
     answer_column: str = field(default="answer", metadata={"help": "answer column of a hub dataset"})
     plot: bool = field(default=True, metadata={"help": "write metrics.jsonl and training_curves.png"})
     cpu_threads: int | None = field(default=None, metadata={"help": "torch threads of a single CPU process"})
+    cpu_bf16_fallback: bool = field(
+        default=True, metadata={"help": "float32 instead of bf16 on a CPU without AVX-512 (slow bf16 kernels)"}
+    )
 
 
 def load_data(script_args: GRPOScriptArguments, seed: int) -> datasets.DatasetDict:
@@ -180,9 +188,10 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     if trainer.accelerator.is_main_process:
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
-    # Stage 7: end cleanly: trackers finished, every process group destroyed (Accelerate's end of script)
+    # Stage 7: end cleanly: a colocated vLLM engine shut down, trackers finished, every process group destroyed
     trainer.accelerator.wait_for_everyone()
     several = trainer.accelerator.num_processes > 1
+    shutdown_vllm_engine(trainer)  # before the groups it uses are destroyed
     trainer.accelerator.end_training()
     # A finished rank could still abort in the interpreter's teardown ("terminate called without an active
     # exception", seen once in CI after the groups were destroyed): skip that teardown. The known mechanism is gloo's
@@ -211,6 +220,13 @@ def parse_args(argv: list[str] | None = None, types: tuple[type, ...] | None = N
         raise ValueError(f"unknown key(s) {unknown} (close matches: {hints}); valid keys: {', '.join(valid)}")
     if from_cli:
         raise ValueError(f"unexpected argument(s) {from_cli}: pass options as --key value")
+    script_args, training_args = parsed[0], parsed[1]
+    if needs_float32_fallback(training_args.bf16, training_args.use_cpu, script_args.cpu_bf16_fallback):
+        # Parsed again with bf16 off, so that the config resolves its precision (and the launcher's) from the start
+        print(FALLBACK_NOTE.format(capability=torch.backends.cpu.get_cpu_capability()), file=sys.stderr, flush=True)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+        argv = list(sys.argv[1:] if argv is None else argv) + ["--bf16", "false"]
+        return parse_args(argv, types)
     return parsed
 
 

@@ -2,6 +2,7 @@
 under `accelerate launch` with 2 processes."""
 
 import json
+import os
 import re
 import sys
 from dataclasses import fields
@@ -113,3 +114,23 @@ def test_smoke_recipe_with_two_processes(tmp_path, config):
     assert heldout == [0, 2], heldout
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("run summary:")]
     assert re.search(r"held-out accuracy \(greedy, 8 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\)", line), line
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+@pytest.mark.parametrize("fallback", [True, False])
+def test_bf16_falls_back_to_float32_only_on_a_cpu_without_fast_bf16(monkeypatch, capsys, fast_bf16, fallback):
+    from hf_rlloss.recipe_support import cpu_precision
+
+    monkeypatch.setattr(cpu_precision, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # restored after the test
+    demo = str(ROOT / "recipes/smollm2_135m/arithmetic/config_demo.yaml")
+    flags = ["--config", demo, "--bf16", "true", "--cpu_bf16_fallback", str(fallback).lower()]
+    script_args, training_args, _ = grpo.parse_args(flags)
+    falls_back = fallback and not fast_bf16
+    assert training_args.bf16 is not falls_back
+    assert training_args.use_cpu
+    said = capsys.readouterr().err
+    assert ("training in float32 instead" in said) is falls_back, said
+    if falls_back:
+        assert training_args.mixed_precision == "no"
+        assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"

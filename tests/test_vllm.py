@@ -66,7 +66,9 @@ def _run(case: str, policy_dir: str, tmp_path: Path) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"vllm_script.py {case} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")  # fmt: skip
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["teardown_error"] = "Invalid process group specified" in proc.stderr
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -99,6 +101,13 @@ def test_colocate_trains_like_stock_trl_with_the_same_metrics(colocate_runs):
         first_trl["sampling/sampling_logp_difference/mean"], abs=2e-6
     )
     assert first_ours["num_tokens"] == first_trl["num_tokens"]
+
+
+def test_the_engine_shuts_down_before_the_process_groups(colocate_runs):
+    # The recipes' end (`shutdown_vllm_engine`, then `Accelerator.end_training`): without the first, vLLM's finalizer
+    # fails at interpreter exit on the groups end_training destroyed ("Invalid process group specified")
+    _, ours = colocate_runs
+    assert not ours["teardown_error"]
 
 
 def test_our_mismatch_metric_is_trls_sampling_logp_difference(colocate_runs):

@@ -102,6 +102,7 @@ def run_trl(model_dir: str, out_dir: str) -> dict:
 
 def run_ours(model_dir: str, out_dir: str) -> dict:
     from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+    from hf_rlloss.trainer.sync.vllm import shutdown_vllm_engine
 
     args = RLLossGRPOConfig(
         output_dir=out_dir,
@@ -110,7 +111,12 @@ def run_ours(model_dir: str, out_dir: str) -> dict:
     )
     trainer = RLLossGRPOTrainer(model_dir, [reward_length, reward_digit], args=args, train_dataset=make_dataset())
     trainer.train()
-    return {"logs": _logs(trainer), "sync": weight_sync_check(trainer, model_dir), "packing": trainer._packing}
+    result = {"logs": _logs(trainer), "sync": weight_sync_check(trainer, model_dir), "packing": trainer._packing}
+    # the recipes' end: the engine shut down, then every process group destroyed (the test reads stderr for vLLM's
+    # teardown error at interpreter exit)
+    shutdown_vllm_engine(trainer)
+    trainer.accelerator.end_training()
+    return result
 
 
 def run_is(model_dir: str, out_dir: str) -> dict:

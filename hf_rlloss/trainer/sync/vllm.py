@@ -93,3 +93,13 @@ def check_vllm_logprobs_mode(trainer: Any, rollout_is_enabled: bool) -> None:
     if rollout_is_enabled:
         raise ValueError(f"rl_loss.rollout_is: {message}")
     logger.warning(f"the mismatch metrics (mismatch/*, rollout_is/*) are biased: {message}")
+
+
+def shutdown_vllm_engine(trainer: Any) -> None:
+    """Shut a colocated engine down while the process groups it uses still exist; idempotent, nothing to do without
+    one. `Accelerator.end_training()` destroys every process group, and an engine still alive then fails in its own
+    shutdown at interpreter exit (vLLM's finalizer raises `ValueError: Invalid process group specified`). Call this
+    before `end_training` (the recipes do)."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()  # vLLM's own teardown; a second call (its finalizer) does nothing
