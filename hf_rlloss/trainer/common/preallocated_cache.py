@@ -35,7 +35,7 @@ class PreallocatedLayer(DynamicLayer):
     copies them into a fresh buffer. Past `capacity` the buffers grow (doubling), so no call fails for lack of room.
 
     Args:
-        capacity (`int`): positions to allocate at the first update (the prompt plus the tokens to generate).
+        capacity (`int`): positions to allocate (the prompt plus the tokens to generate).
     """
 
     def __init__(self, capacity: int):
@@ -93,8 +93,8 @@ class PreallocatedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `key_states`/`value_states` `(B, H, m, D)` after the `n` filled positions; the `(B, H, n + m, D)`
-        filled."""
+        """Write `key_states`/`value_states` `(B, H, m, D)` after the `n` filled positions and return the filled keys
+        and values `(B, H, n + m, D)`, views of the buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
