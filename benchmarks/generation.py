@@ -232,6 +232,8 @@ def _table(rows: dict) -> str:
             + " / ".join(f"{s[v]['step_s']:.2f}" for v in STEP_VARIANTS) + " | "
             + " / ".join(f"{s[v]['peak_mb']:.0f}" for v in STEP_VARIANTS) + " |"
         )  # fmt: skip
+    if not any("generate" in r for r in rows.values()):
+        return "\n".join(lines)
     lines += [
         "",
         "| workload | `generate` alone, CPU s: shared ÷ today (concatenating cache ÷ today) | CPU s (today / "
