@@ -18,7 +18,9 @@ Two kinds of measurement, each in a fresh process, variants interleaved in rotat
   in the trainer's `_generate_single_turn` (generation), and the peak RSS of the run. Variants `trl`, `today`
   (`RLLossGRPOTrainer` with `shared_prompt_generation=False`), `shared` (the default).
 - `generate` (the long workloads): one `model.generate` call on 2 prompts × G = 8 alone, its time and peak RSS (the
-  high-water mark reset right before the call, minus the RSS then), `today` vs `shared`.
+  high-water mark reset right before the call, minus the RSS then), and a hash of its tokens (sampled with one seed):
+  `today` vs `shared` vs `shared_concat` (shared prefill, decoding with transformers' concatenating `DynamicLayer`
+  instead of the preallocated cache, `sharing_prompts(..., preallocate=False)`).
 
     python benchmarks/generation.py --workloads demo long64 long256 --repeats 2
 
@@ -32,6 +34,7 @@ Results: `benchmarks/results/generation.json` (every sample, the machine, the lo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -46,7 +49,7 @@ from packing import _WORDS, DEMO_CONFIG, ROOT  # noqa: E402
 G = 8
 LONG = {"long64": 64, "long256": 256}
 STEP_VARIANTS = ("trl", "today", "shared")
-GENERATE_VARIANTS = ("today", "shared")
+GENERATE_VARIANTS = ("today", "shared_concat", "shared")
 
 
 def _long_model_and_prompts(layers: int, n_prompts: int):
@@ -183,11 +186,13 @@ def _run_generate(workload: str, variant: str, layers: int) -> dict:
         reset_peak_rss()
         baseline = rss_mb()
         start, cpu = time.perf_counter(), time.process_time()
-        with sharing_prompts(model, variant == "shared"):
+        with sharing_prompts(model, variant != "today", preallocate=variant == "shared"):
             out = model.generate(**batch, **settings)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     assert out.shape == (2 * G, batch["input_ids"].size(1) + length)
-    return {"generate_s": seconds, "generate_cpu_s": cpu_seconds, "peak_mb": peak_rss_mb() - baseline}
+    tokens = hashlib.sha1(out.numpy().tobytes()).hexdigest()[:12]  # the same sampled tokens in every variant
+    peak = peak_rss_mb() - baseline
+    return {"generate_s": seconds, "generate_cpu_s": cpu_seconds, "peak_mb": peak, "tokens": tokens}
 
 
 def _launch(kind: str, workload: str, variant: str, steps: int, layers: int) -> dict:
@@ -227,16 +232,27 @@ def _table(rows: dict) -> str:
             + " / ".join(f"{s[v]['step_s']:.2f}" for v in STEP_VARIANTS) + " | "
             + " / ".join(f"{s[v]['peak_mb']:.0f}" for v in STEP_VARIANTS) + " |"
         )  # fmt: skip
-    lines += ["", "| workload | `generate` alone: shared ÷ today | s (today / shared) | peak MB (today / shared) |"]
-    lines.append("|---|---|---|---|")
+    if not any("generate" in r for r in rows.values()):
+        return "\n".join(lines)
+    lines += [
+        "",
+        "| workload | `generate` alone, CPU s: shared ÷ today (concatenating cache ÷ today) | CPU s (today / "
+        "concatenating / shared) | wall s (today / concatenating / shared) | peak MB (today / concatenating / shared) "
+        "| same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
     for workload, r in rows.items():
         if "generate" in r:
             g = r["generate"]
+            v = GENERATE_VARIANTS
             lines.append(
-                f"| {workload} | {g['shared']['generate_s'] / g['today']['generate_s']:.2f}× | "
-                f"{g['today']['generate_s']:.2f} / {g['shared']['generate_s']:.2f} | "
-                f"{g['today']['peak_mb']:.0f} / {g['shared']['peak_mb']:.0f} |"
-            )
+                f"| {workload} | **{g['shared']['generate_cpu_s'] / g['today']['generate_cpu_s']:.2f}×** "
+                f"({g['shared_concat']['generate_cpu_s'] / g['today']['generate_cpu_s']:.2f}×) | "
+                + " / ".join(f"{g[x]['generate_cpu_s']:.2f}" for x in v) + " | "
+                + " / ".join(f"{g[x]['generate_s']:.1f}" for x in v) + " | "
+                + " / ".join(f"{g[x]['peak_mb']:.0f}" for x in v) + " | "
+                + ("yes" if len({t for x in v for t in r["tokens"][x]}) == 1 else "**no**") + " |"
+            )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -285,9 +301,11 @@ def main():
     for key, by_variant in samples.items():
         kind, workload = key.split("/")
         rows.setdefault(workload, {})[kind] = {
-            v: {m: statistics.median(s[m] for s in runs) for m in runs[0] if m != "reward"}
+            v: {m: statistics.median(s[m] for s in runs) for m in runs[0] if m not in ("reward", "tokens")}
             for v, runs in by_variant.items()
         }
+        if kind == "generate":
+            rows[workload]["tokens"] = {v: [s["tokens"] for s in runs] for v, runs in by_variant.items()}
     meta["end"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     meta.update(steps=args.steps, layers=args.layers, repeats=args.repeats, demo_fp32=args.demo_fp32)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

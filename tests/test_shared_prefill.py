@@ -229,3 +229,106 @@ def test_cpu_rollout_worker_shares_prompts(tmp_path):
     for a, b in zip(shared, ordinary, strict=True):
         assert np.array_equal(a.input_ids, b.input_ids)
         assert np.abs(a.old_log_probs - b.old_log_probs).max() <= LOGP_TOL
+
+
+# --- decoding into the preallocated cache (`hf_rlloss/trainer/common/preallocated_cache.py`) ---
+
+
+def test_preallocated_layer_holds_what_a_dynamic_layer_holds():
+    # every operation generate and beam search use, against transformers' concatenating layer; copies are exact
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_rlloss.trainer.common.preallocated_cache import PreallocatedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    kv = lambda n: (torch.randn(3, 2, n, 4, generator=gen), torch.randn(3, 2, n, 5, generator=gen))  # noqa: E731
+    prompt = kv(6)
+    rows = torch.tensor([0, 0, 2, 1])  # the batch's rows copy these cache rows
+    dynamic = DynamicLayer()
+    dynamic.update(*prompt)
+    dynamic.reorder_cache(rows)
+    layer = PreallocatedLayer.holding(*prompt, rows, capacity=9)
+    buffer = layer._key_buffer
+
+    def same():
+        assert torch.equal(layer.keys, dynamic.keys) and torch.equal(layer.values, dynamic.values)
+        assert layer.get_seq_length() == dynamic.get_seq_length()
+        assert layer.get_mask_sizes(1) == dynamic.get_mask_sizes(1)
+
+    same()
+    for n in (1, 2):  # decoding steps and a 2-token chunk: written in place, the same buffer
+        step = kv(n)
+        step = (step[0][:1].expand(4, -1, -1, -1), step[1][:1].expand(4, -1, -1, -1))
+        out = layer.update(*step)
+        assert torch.equal(out[0], dynamic.update(*step)[0]) and layer._key_buffer is buffer
+        same()
+    dynamic.crop(-2), layer.crop(-2)  # assisted decoding's rollback
+    same()
+    step = (torch.ones(4, 2, 1, 4), torch.ones(4, 2, 1, 5))
+    dynamic.update(*step), layer.update(*step)  # overwrites the cropped positions
+    same()
+    assert layer._key_buffer is buffer and layer.capacity == 9
+    step = (torch.full((4, 2, 4, 4), 2.0), torch.full((4, 2, 4, 5), 2.0))
+    dynamic.update(*step), layer.update(*step)  # past the capacity: the buffer grows, nothing is lost
+    same()
+    assert layer.capacity >= 10 and layer._key_buffer is not buffer
+    dynamic.reorder_cache(torch.tensor([3, 1])), layer.reorder_cache(torch.tensor([3, 1]))  # beam search's selection
+    dynamic.update(*(t[:2] for t in step)), layer.update(*(t[:2] for t in step))
+    same()
+    dynamic.reset(), layer.reset()
+    dynamic.update(*prompt), layer.update(*prompt)
+    same()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decoding_writes_into_one_preallocated_buffer_and_gives_the_ordinary_results(family, monkeypatch):
+    # Gemma 2 alternates sliding-window layers (kept as transformers' own) and full-attention layers (preallocated)
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_rlloss.trainer.common.preallocated_cache import PreallocatedLayer
+
+    model = _tiny(family)
+    ids, mask = _batch()
+    new = 10
+    # the buffers are sized from either way of giving the length
+    length = dict(max_new_tokens=new) if family == "llama" else dict(max_length=ids.size(1) + new)
+    writes = {}  # layer -> (buffer address, capacity, filled positions) after each update
+    update = PreallocatedLayer.update
+
+    def spy(self, *args, **kwargs):
+        out = update(self, *args, **kwargs)
+        writes.setdefault(id(self), []).append((self._key_buffer.data_ptr(), self.capacity, out[0].shape[-2]))
+        return out
+
+    concatenated = []
+    dynamic_update = DynamicLayer.update
+
+    def dynamic_spy(self, key_states, *args, **kwargs):
+        if key_states.size(0) == ids.size(0):  # the batch's rows: not the shared prefill of the distinct prompts
+            concatenated.append(type(self))
+        return dynamic_update(self, key_states, *args, **kwargs)
+
+    monkeypatch.setattr(PreallocatedLayer, "update", spy)
+    monkeypatch.setattr(DynamicLayer, "update", dynamic_spy)
+    runs = {}
+    for name, share, preallocate in (("today", False, False), ("concat", True, False), ("prealloc", True, True)):
+        writes.clear(), concatenated.clear()
+        recorder = SampledTokenLogprobs()
+        with torch.no_grad(), recording_logprobs(model, recorder), sharing_prompts(model, share, preallocate):
+            out = model.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **length)
+        runs[name] = out[:, ids.size(1) :], recorder.finish(out[:, -1])[0]
+        full = [t for t in model.config.layer_types if t == "full_attention"] if family == "gemma2" else [0, 1]
+        if name == "prealloc":
+            assert len(writes) == len(full)  # every full-attention layer decodes into a preallocated buffer
+            for steps in writes.values():
+                # the last prompt token, then every generated token but the last, all into one buffer of the
+                # call's positions (prompt + completion): no reallocation, no copy of the cache per step
+                assert len(steps) == new and len({address for address, _, _ in steps}) == 1
+                assert [n for _, _, n in steps] == list(range(ids.size(1), ids.size(1) + new))
+                assert {capacity for _, capacity, _ in steps} == {ids.size(1) + new}
+        # transformers' concatenating update decodes the full-attention layers of the other runs, none of this one
+        # (sliding-window layers have their own update, kept as it is)
+        assert len(concatenated) == (0 if name == "prealloc" else new * len(full)), name
+    for name in ("concat", "prealloc"):
+        assert torch.equal(runs[name][0], runs["today"][0]), name
+        assert (runs[name][1] - runs["today"][1]).abs().max() <= LOGP_TOL, name

@@ -3,7 +3,9 @@
 TRL repeats every prompt `num_generations` times before HF `generate`, so the prefill would run G times over the same
 tokens. `sharing_prompts` wraps `generate` on the model instance for one call: the distinct prompts (rows equal in
 tokens and mask) run their prefill once, all but the last prompt token, into a `DynamicCache`; the cache's rows are
-copied to the batch's rows (`Cache.reorder_cache`, the row selection beam search uses); `generate` then gets the
+copied to the batch's rows, the full-attention layers into buffers of the call's whole length that decoding writes
+into (`preallocated_cache.PreallocatedLayer`: no per-step copy of the cache), the others by `Cache.reorder_cache`
+(the row selection beam search uses, e.g. sliding-window layers); `generate` then gets the
 whole left-padded batch with that cache, skips the cached positions and runs the last prompt token of every row, so
 the first sampled token's logits, the logits processors (the log-prob recorder, penalties, warpers), sampling and
 stopping are those of an ordinary call. The prefill mirrors `generate`'s own first forward: the positions counted
@@ -28,6 +30,8 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
+
+from .preallocated_cache import preallocate_cache
 
 logger = logging.get_logger(__name__)
 
@@ -78,7 +82,12 @@ def unshareable(lm: nn.Module, config: GenerationConfig, model_kwargs: dict[str,
 
 
 def prefill_distinct_prompts(
-    lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: torch.Tensor, inverse: torch.Tensor
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    first: torch.Tensor,
+    inverse: torch.Tensor,
+    capacity: int | None = None,
 ) -> DynamicCache:
     """The KV cache of every row's prompt but its last token, computed once per distinct prompt.
 
@@ -88,6 +97,9 @@ def prefill_distinct_prompts(
         attention_mask (`torch.Tensor` of shape `(B, L)`): their mask.
         first (`torch.Tensor` of shape `(U,)`): a row of each distinct prompt (`distinct_rows`).
         inverse (`torch.Tensor` of shape `(B,)`): each row's distinct prompt.
+        capacity (`int`, *optional*): positions the call will hold (prompt and completion). When given, the
+            full-attention layers are copied into buffers of that many positions that decoding writes into
+            (`preallocate_cache`); otherwise every layer stays a `DynamicLayer`.
 
     Returns:
         `DynamicCache` of `B` rows and `L - 1` positions, row `b` the prefill of prompt `inverse[b]`.
@@ -110,11 +122,14 @@ def prefill_distinct_prompts(
         **kwargs,
     )
     lm(**inputs, return_dict=True)
-    cache.reorder_cache(inverse.to(input_ids.device))  # (U, …) -> (B, …): one copy per row, as an ordinary call holds
-    return cache
+    rows = inverse.to(input_ids.device)
+    if capacity is None:
+        cache.reorder_cache(rows)  # (U, …) -> (B, …): one copy per row, as an ordinary call holds
+        return cache
+    return preallocate_cache(cache, rows, capacity)
 
 
-def _shared_generate(lm: nn.Module, generate: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _shared_generate(lm: nn.Module, generate: Callable[..., Any], preallocate: bool, *args: Any, **kwargs: Any) -> Any:
     """`generate(*args, **kwargs)` with the distinct prompts' prefill shared, or as called when it cannot be."""
     if args:  # generate(inputs, generation_config, ...) positionally: not how TRL or the worker call it
         return generate(*args, **kwargs)
@@ -137,12 +152,16 @@ def _shared_generate(lm: nn.Module, generate: Callable[..., Any], *args: Any, **
     inputs = {k: v for k, v in kwargs.items() if k != "inputs"}
     inputs["input_ids"] = input_ids
     inputs["attention_mask"] = attention_mask
-    inputs["cache"] = prefill_distinct_prompts(lm, input_ids, attention_mask, first, inverse)
+    # the positions the call will hold: generate's max_length is the prompt plus max_new_tokens when that is set
+    capacity = input_ids.size(1) + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    inputs["cache"] = prefill_distinct_prompts(
+        lm, input_ids, attention_mask, first, inverse, capacity if preallocate else None
+    )
     return generate(**inputs)
 
 
 @contextlib.contextmanager
-def sharing_prompts(lm: nn.Module, enabled: bool = True) -> Iterator[None]:
+def sharing_prompts(lm: nn.Module, enabled: bool = True, preallocate: bool = True) -> Iterator[None]:
     """Inside the block, every `lm.generate` call prefills each distinct prompt of its batch once.
 
     `generate` is wrapped on the instance (other models are untouched; a PEFT model's `generate` reaches it through
@@ -151,12 +170,15 @@ def sharing_prompts(lm: nn.Module, enabled: bool = True) -> Iterator[None]:
     Args:
         lm (`nn.Module`): the causal LM (the base model of a PEFT model).
         enabled (`bool`, *optional*, defaults to `True`): `False` leaves `generate` as it is.
+        preallocate (`bool`, *optional*, defaults to `True`): decode into buffers of the call's length
+            (`preallocated_cache.PreallocatedLayer`) instead of `DynamicLayer`'s concatenation; the results are the
+            same, `False` is there to measure the difference.
     """
     if not enabled:
         yield
         return
     shadowed = vars(lm).get("generate")
-    lm.generate = functools.partial(_shared_generate, lm, lm.generate)
+    lm.generate = functools.partial(_shared_generate, lm, lm.generate, preallocate)
     try:
         yield
     finally:
