@@ -10,6 +10,7 @@ import _launch
 import crash_resume_script
 import pytest
 import torch
+from _full_matrix import full_matrix as full_matrix_mark
 from safetensors.torch import save_file
 
 from hf_rlloss.trainer.sync.checkpoints import (
@@ -153,9 +154,7 @@ def _dies(result, killed_rank, message=None):
                 assert message in result["logs"][rank], result["logs"][rank][-3000:]
 
 
-full_matrix = pytest.mark.skipif(
-    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the full engine matrix: set HF_RLLOSS_FULL_MATRIX=1"
-)
+full_matrix = full_matrix_mark("the full engine matrix")
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ shared-memory op (about 2 minutes on 2 cores, cached in ~/.cache/torch_extension
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import _launch
 import pytest
 import torch
+from _full_matrix import full_matrix as full_matrix_mark
+from _full_matrix import slow_launch
 
 from hf_rlloss.trainer.grpo_config import RLLossGRPOConfig, precision_mismatch_warning
 
@@ -47,9 +48,7 @@ LAUNCHES = {
     "zero2_resumed": ("zero2", 2, ["--cases", "sp1", "--steps", "4", "--save-steps", "2"]),
 }
 
-full_matrix = pytest.mark.skipif(
-    os.environ.get("HF_RLLOSS_FULL_MATRIX") != "1", reason="the full engine matrix: set HF_RLLOSS_FULL_MATRIX=1"
-)
+full_matrix = full_matrix_mark("the full engine matrix")
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +103,7 @@ def _assert_matches(reference: dict, got: dict, case: str) -> None:
 # DeepSpeed against DDP
 
 
+@slow_launch
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,stage", [("zero2", 2), ("zero3", 3)])
@@ -130,6 +130,7 @@ def test_deepspeed_matches_ddp(runs, engine, stage):
     assert history[0]["rollout_is/mean"] != 1.0  # rollout IS weights really are computed
 
 
+@slow_launch
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero3_lm_head_gathered_only_inside_the_loss(runs):
@@ -146,6 +147,7 @@ def test_zero3_lm_head_gathered_only_inside_the_loss(runs):
         assert any(g["before"] == ["NOT_AVAILABLE"] for g in gathers), gathers  # the context really gathered
 
 
+@slow_launch
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["zero2", "zero3"])

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from _full_matrix import slow_launch
 from _launch import ROOT, accelerate_launch, cpu_accelerate_config, launch_once, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -137,6 +138,7 @@ def test_fsdp2_save_model_writes_a_loadable_consolidated_model(runs):
     assert _max_diff(trained, lora) == 0.0
 
 
+@slow_launch
 @pytest.mark.distributed
 def test_fsdp2_resume_gives_the_same_next_losses(runs):
     uninterrupted, resumed = runs("fsdp2")["sp1"], runs("resumed")["sp1"]
@@ -148,6 +150,7 @@ def test_fsdp2_resume_gives_the_same_next_losses(runs):
     assert _max_diff(uninterrupted["params"], resumed["params"]) < 1e-6
 
 
+@slow_launch
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_matches_ddp_with_an_untied_head(tmp_path):
@@ -168,6 +171,7 @@ def test_fsdp2_matches_ddp_with_an_untied_head(tmp_path):
         assert _max_diff(ddp[case]["params"], fsdp2[case]["params"]) < TOL
 
 
+@slow_launch
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_recipe_under_fsdp2(tmp_path):

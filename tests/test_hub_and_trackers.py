@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _full_matrix import slow_launch
 from _trainer_utils import BASE_ARGS, make_dataset, make_model, make_tokenizer, reward_length
 from huggingface_hub import HfApi, ModelCard
 
@@ -96,6 +97,7 @@ def _assert_every_group_at_every_step(series: dict[str, list[int]]) -> None:
     assert "rollout_is/mean" in series and "rollout_is/eff_sample_size" in series
 
 
+@slow_launch
 @pytest.mark.slow
 def test_tensorboard_event_files_hold_every_group_at_every_step(smoke_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -109,6 +111,7 @@ def test_tensorboard_event_files_hold_every_group_at_every_step(smoke_run):
     _assert_every_group_at_every_step(series)
 
 
+@slow_launch
 @pytest.mark.slow
 def test_trackio_local_store_holds_every_group_at_every_step(smoke_run):
     # Read back with trackio's own reader, in a process that sees TRACKIO_DIR (trackio reads it at import).
@@ -131,6 +134,7 @@ def test_trackio_local_store_holds_every_group_at_every_step(smoke_run):
     _assert_every_group_at_every_step(series)
 
 
+@slow_launch
 @pytest.mark.slow
 def test_model_card_is_hub_ready(smoke_run):
     card = ModelCard.load(smoke_run["out"] / "README.md")  # parses: valid YAML metadata
@@ -151,6 +155,7 @@ def test_model_card_is_hub_ready(smoke_run):
     assert recorded["rollout_is"]["upper"] == 2.0 and recorded["kl_loss_type"] == "k3"
 
 
+@slow_launch
 @pytest.mark.slow
 def test_output_folder_loads_and_generates(smoke_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,6 +173,7 @@ def test_output_folder_loads_and_generates(smoke_run):
     assert isinstance(tokenizer.decode(new_tokens, skip_special_tokens=True), str)
 
 
+@slow_launch
 @pytest.mark.slow
 def test_end_of_run_summary_and_no_deprecation_warning(smoke_run):
     (line,) = [line for line in smoke_run["stdout"].splitlines() if line.startswith("run summary:")]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from _full_matrix import SLOW_LAUNCH
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -22,7 +23,11 @@ def test_notebooks_exist_and_are_stored_without_outputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=SLOW_LAUNCH) if p.stem.startswith("01_") else p for p in NOTEBOOKS],
+    ids=lambda p: p.stem,
+)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 

@@ -5,6 +5,7 @@ own row, for a padding-free packed row (sequences found from the positions) and 
 import pytest
 import torch
 from _dist import run_distributed
+from _full_matrix import SLOW_LAUNCH
 from _models import tiny_qwen2
 from trl.experimental.async_grpo.packing import TreeRow
 
@@ -121,7 +122,9 @@ def _ulysses_worker(rank, world_size, sp, kv_heads, out_dir):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size,sp,kv_heads", [(2, 2, 1), (2, 2, 2), (4, 2, 2)], ids=["sp2-mqa", "sp2-gqa", "dp2xsp2"]
+    "world_size,sp,kv_heads",
+    [(2, 2, 1), (2, 2, 2), pytest.param(4, 2, 2, marks=SLOW_LAUNCH)],
+    ids=["sp2-mqa", "sp2-gqa", "dp2xsp2"],
 )
 def test_ulysses_equals_full_sequence(tmp_path, world_size, sp, kv_heads):
     run_distributed(_ulysses_worker, world_size, sp, kv_heads, str(tmp_path), timeout=240)
