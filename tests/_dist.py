@@ -38,3 +38,17 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0) -> None:
                 for process in context.processes:
                     kill_tree(process.pid)  # by PID, with anything it started
                 raise TimeoutError(f"distributed test did not finish within {timeout:.0f} s (hang?)")
+
+
+class FakeSPMesh:
+    """What `sp_split`, `sp_shard_inputs` and `sp_rank` read from an SP mesh: its size and this rank's index, for
+    tests of one rank's shard without process groups."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank

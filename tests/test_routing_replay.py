@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from _dist import FakeSPMesh
 from _models import tiny_moe
 from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length
 from datasets import Dataset
@@ -213,19 +214,6 @@ def test_router_gradient_equals_a_hand_written_moe_with_given_ids(tok):
     assert grads[0].abs().sum() > 0  # the router learns through the replayed experts' gate weights
 
 
-class _Mesh:
-    """What `sp_split`, `sp_shard_inputs` and `sp_rank` read from an SP mesh: its size and this rank's index."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
-
-
 def _grouped_batch():
     """Two prompts (left-padded) with two completions each (right-padded), one completion fully masked; routes
     `(B, P + C, 2, 2)` whose first expert id is the token's id, -1 at padding, the second prompt's second copy
@@ -283,7 +271,7 @@ def test_packed_layouts_and_sp_shards_replay_each_tokens_route(mode):
     set_batch_routes(batch, routes)
     for size in (2, 3):
         for rank in range(size):
-            mesh = _Mesh(size, rank)
+            mesh = FakeSPMesh(size, rank)
             shard = SPMicroBatch.from_layout(layout, mesh, 0).input_ids[0]  # (N_local,)
             replay = RoutingReplay()
             with routed_forward(replay, batch, layout, sp_mesh=mesh):

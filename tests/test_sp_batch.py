@@ -4,7 +4,7 @@ same on every rank of the group."""
 
 import pytest
 import torch
-from _dist import run_distributed
+from _dist import FakeSPMesh, run_distributed
 
 from hf_rlloss.parallel.sequence import build_sp_mesh, sp_split
 from hf_rlloss.trainer.common import sp_batch
@@ -12,19 +12,6 @@ from hf_rlloss.trainer.common.packing import _BUILDERS
 from hf_rlloss.trainer.common.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
 
 PAD, IGNORE = 0, -100
-
-
-class _Mesh:
-    """The two things `sp_split` and `sp_shard_inputs` read from an SP mesh: its size and this rank's index."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def get_local_rank(self) -> int:
-        return self._rank
 
 
 def _ragged_batch():
@@ -56,7 +43,7 @@ def test_terms_line_up_with_their_hidden_states(monkeypatch, mode, size):
     batch = _ragged_batch()
     labels = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)
     data = {"shifted_labels": labels, "advantages": torch.tensor([1.0, -1.0, 0.5])}
-    full = _micro_batch(batch, mode, _Mesh(1, 0))
+    full = _micro_batch(batch, mode, FakeSPMesh(1, 0))
     row, positions = full.layout.input_ids[0], full.layout.position_ids[0]
     # each position's "hidden state": its token and its position, so a term can be traced to where it is read
     hidden = torch.stack([row, positions], dim=-1).float().unsqueeze(0)  # (1, N, 2)
@@ -65,7 +52,7 @@ def test_terms_line_up_with_their_hidden_states(monkeypatch, mode, size):
     monkeypatch.setattr(sp_batch, "sp_all_gather", lambda local, mesh, dim: padded[0])
     shards, terms = [], 0
     for rank in range(size):
-        mesh = _Mesh(size, rank)
+        mesh = FakeSPMesh(size, rank)
         micro_batch = _micro_batch(batch, mode, mesh).with_loss_data(data, tuple(labels.shape), IGNORE)
         local = micro_batch.input_ids.shape[1]
         assert local == -(-micro_batch.length // size)  # ceil(N / size)
@@ -98,14 +85,14 @@ def test_shared_prefix_forwards_each_prompt_once():
     completion = torch.tensor([[20, 21], [20, 22]])
     batch = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
              "completion_mask": torch.ones_like(completion)}  # fmt: skip
-    shared, free = (_micro_batch(batch, mode, _Mesh(1, 0)) for mode in ("shared_prefix", "padding_free"))
+    shared, free = (_micro_batch(batch, mode, FakeSPMesh(1, 0)) for mode in ("shared_prefix", "padding_free"))
     assert free.length == 10 and shared.length == 3 + 2 + 2  # 11 12 13, then 20 21 | 20 22
     assert shared.term_positions[0] == shared.term_positions[2]  # 13 predicts 20 for both rows
 
 
 def test_gather_inverts_shard_on_one_rank():
     batch = _ragged_batch()
-    micro_batch = _micro_batch(batch, "shared_prefix", _Mesh(1, 0))
+    micro_batch = _micro_batch(batch, "shared_prefix", FakeSPMesh(1, 0))
     values = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1
     local = micro_batch.shard(values, 0.0)[..., None]
     assert torch.equal(micro_batch.gather(local, (3, 4))[..., 0], values * batch["completion_mask"])
@@ -113,7 +100,7 @@ def test_gather_inverts_shard_on_one_rank():
 
 def test_loss_data_of_another_shape_is_refused():
     batch = _ragged_batch()
-    micro_batch = _micro_batch(batch, "padding_free", _Mesh(2, 0))
+    micro_batch = _micro_batch(batch, "padding_free", FakeSPMesh(2, 0))
     with pytest.raises(ValueError, match=r"loss data 'extra' has shape \(3, 2\); expected the completions' shape"):
         micro_batch.with_loss_data({"extra": torch.zeros(3, 2)}, (3, 4), IGNORE)
 
