@@ -1,6 +1,6 @@
 """Staleness × correction on the arithmetic demo (SmolLM2-135M): what each way of handling stale samples learns.
 
-    python benchmarks/async_staleness.py run --lags 1 4 8 --seeds 0 1 2 3 --steps 30   # one process per (seed, lag)
+    python benchmarks/async_staleness.py run --lags 0 4 8 --seeds 0 1 2 3 --steps 24 --lr 3e-5   # a process per cell
     python benchmarks/async_staleness.py report                                         # table (Markdown) and plot
 
 Three arms, each run on the same seeds (paired: same prompts, same initial policy, same sampling seeds):
@@ -373,13 +373,13 @@ if __name__ == "__main__":
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "cell"):
         p = sub.add_parser(name)
-        p.add_argument("--steps", type=int, default=30)
-        p.add_argument("--lr", type=float, default=1e-4)
+        p.add_argument("--steps", type=int, default=24)
+        p.add_argument("--lr", type=float, default=3e-5)
         p.add_argument("--tag", default="smollm2")
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
         p.add_argument("--prompts", type=int, default=1, help="prompts per step (8 completions each)")
-    sub.choices["run"].add_argument("--lags", type=int, nargs="+", default=[1, 4, 8])
+    sub.choices["run"].add_argument("--lags", type=int, nargs="+", default=[0, 4, 8])
     sub.choices["run"].add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     sub.choices["cell"].add_argument("--lag", type=int, required=True)
     sub.choices["cell"].add_argument("--seed", type=int, required=True)
