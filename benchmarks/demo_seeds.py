@@ -61,7 +61,8 @@ def spread(values: list[float]) -> dict:
 
 def aggregate(rows: list[dict]) -> dict:
     keys = ("reward_first", "reward_last", "heldout_before", "heldout_after", "step_s", "wall_s")
-    out = {key: spread([row[key] for row in rows]) for key in keys}
+    keys += ("completion_length_first", "completion_length_last", "mismatch_abs_logp_first", "mismatch_abs_logp_last")
+    out = {key: spread([row[key] for row in rows]) for key in keys if all(key in row for row in rows)}
     out["heldout_gain"] = spread([row["heldout_after"] - row["heldout_before"] for row in rows])
     return out
 
@@ -74,7 +75,25 @@ def run_seed(seed: int, out_dir: Path) -> dict:
     wall = time.time() - start
     if proc.returncode:
         raise RuntimeError(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return {"seed": seed, **parse_summary(proc.stdout), "wall_s": wall, "load_average_at_start": load}
+    row = {"seed": seed, **parse_summary(proc.stdout), "wall_s": wall, "load_average_at_start": load}
+    return row | curves(out_dir / f"seed{seed}" / "metrics.jsonl")
+
+
+def curves(path: Path, k: int = 8) -> dict:
+    """Per-step series from the run's `metrics.jsonl`, and the completion length and rollout mismatch (mean
+    |log p_trainer - log p_sampler| per token) over the first and the last `k` training steps."""
+    steps = [r for r in map(json.loads, path.read_text().splitlines()) if "completions/mean_length" in r]
+    out = {
+        "reward": [r.get("rewards/accuracy_reward/mean") for r in steps],
+        "completion_length": [r["completions/mean_length"] for r in steps],
+        "mismatch_abs_logp": [r.get("mismatch/mismatch_logprob_abs_diff") for r in steps],
+    }
+    for key in ("completion_length", "mismatch_abs_logp"):
+        values = [v for v in out[key] if v is not None]
+        if values:
+            out[f"{key}_first"] = statistics.fmean(values[:k])
+            out[f"{key}_last"] = statistics.fmean(values[-k:])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

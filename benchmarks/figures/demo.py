@@ -1,0 +1,89 @@
+"""The README demo: its outcome over seeds (`benchmarks/demo_seeds.py`)."""
+
+from __future__ import annotations
+
+from .core import figure, table
+
+SEEDS = "demo_seeds.json"
+
+
+def span(stat: dict, fmt: str = "{:.2f}") -> str:
+    """`min–max` of a spread, or the single value when every seed gave it."""
+    low, high = fmt.format(stat["min"]), fmt.format(stat["max"])
+    return low if low == high else f"{low}–{high}"
+
+
+def _aggregate(r) -> dict:
+    return r(SEEDS)["aggregate"]
+
+
+@figure("demo.seeds")
+def seeds(r) -> str:
+    return str(len(r(SEEDS)["runs"]))
+
+
+@figure("demo.reward_first")
+def reward_first(r) -> str:
+    return span(_aggregate(r)["reward_first"])
+
+
+@figure("demo.reward_last")
+def reward_last(r) -> str:
+    return span(_aggregate(r)["reward_last"])
+
+
+@figure("demo.heldout_before")
+def heldout_before(r) -> str:
+    return span(_aggregate(r)["heldout_before"])
+
+
+@figure("demo.heldout_after")
+def heldout_after(r) -> str:
+    return span(_aggregate(r)["heldout_after"])
+
+
+@figure("demo.heldout_gain")
+def heldout_gain(r) -> str:
+    return span(_aggregate(r)["heldout_gain"], "{:+.2f}")
+
+
+@figure("demo.step_s")
+def step_s(r) -> str:
+    return span(_aggregate(r)["step_s"], "{:.1f}") + " s"
+
+
+@figure("demo.wall_min")
+def wall_min(r) -> str:
+    return span({k: v / 60 for k, v in _aggregate(r)["wall_s"].items() if k in ("min", "max")}, "{:.0f}") + " min"
+
+
+@figure("demo.machine")
+def machine(r) -> str:
+    meta = r(SEEDS)["meta"]
+    return f"{meta['machine']['kind']}, {meta['precision']}"
+
+
+@table("demo_seeds")
+def demo_seeds(r) -> str:
+    data = r(SEEDS)
+    rows = [
+        "| seed | accuracy reward, first 8 → last 8 steps | held-out accuracy, step 0 → 40 | mean step | run |",
+        "|---|---|---|---|---|",
+    ]
+    for run in data["runs"]:
+        rows.append(
+            f"| {run['seed']} | {run['reward_first']:.2f} → {run['reward_last']:.2f} "
+            f"| {run['heldout_before']:.2f} → {run['heldout_after']:.2f} | {run['step_s']:.2f} s "
+            f"| {run['wall_s'] / 60:.1f} min |"
+        )
+    agg = data["aggregate"]
+
+    def mean_sd(key: str, fmt: str = "{:.2f}") -> str:
+        return f"{fmt.format(agg[key]['mean'])} ± {fmt.format(agg[key]['sd'])}"
+
+    rows.append(
+        f"| mean ± sd | {mean_sd('reward_first')} → {mean_sd('reward_last')} "
+        f"| {mean_sd('heldout_before')} → {mean_sd('heldout_after')} | {mean_sd('step_s')} s "
+        f"| {agg['wall_s']['mean'] / 60:.1f} min |"
+    )
+    return "\n".join(rows)
