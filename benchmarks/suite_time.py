@@ -1,0 +1,52 @@
+"""The README's test command, timed: how many tests the default suite runs and how long it takes, set-up included.
+
+    python benchmarks/suite_time.py [--out benchmarks/results/test_suite.json]
+
+Runs `make test` in the checkout (the first run creates `.venv` and installs; later runs reuse it) and records
+pytest's closing counts, pytest's own time, and the wall time of the whole command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import provenance  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLOSING = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s\b")
+
+
+def parse_closing(text: str) -> dict:
+    """pytest's closing line (`774 passed, 9 skipped in 301.2s (0:05:01)`, with or without `===`) as counts and seconds."""
+    for line in reversed(text.splitlines()):
+        match = CLOSING.match(line.strip())
+        if match:
+            counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", match["counts"])}
+            return {"counts": counts, "pytest_s": float(match["seconds"])}
+    raise ValueError("no pytest closing line in the output")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/test_suite.json")
+    args = parser.parse_args(argv)
+    meta = provenance("python benchmarks/suite_time.py") | {"suite_command": "make test"}
+    start = time.time()
+    proc = subprocess.run(["make", "test"], cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - start
+    sys.stdout.write(proc.stdout[-3000:])
+    result = {"meta": meta, "returncode": proc.returncode, "wall_s": wall, **parse_closing(proc.stdout)}
+    (ROOT / args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    sys.exit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()
