@@ -24,7 +24,8 @@ CLOSING = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds
 
 
 def parse_closing(text: str) -> dict:
-    """pytest's closing line (`774 passed, 9 skipped in 301.2s (0:05:01)`, with or without `===`) as counts and seconds."""
+    """pytest's closing line (`774 passed, 9 skipped in 301.2s (0:05:01)`, with or without `===`): counts,
+    seconds."""
     for line in reversed(text.splitlines()):
         match = CLOSING.match(line.strip())
         if match:
