@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from .core import figure, table
 
+SUMMARY = re.compile(
+    r"accuracy reward (?P<reward_first>[\d.]+) \(first \d+ steps\) -> (?P<reward_last>[\d.]+) \(last \d+ steps\); "
+    r"held-out accuracy \([^)]*\) (?P<heldout_before>[\d.]+) \(step 0\) -> (?P<heldout_after>[\d.]+)"
+)
 SEEDS = "demo_seeds.json"
 
 
@@ -87,3 +93,33 @@ def demo_seeds(r) -> str:
         f"| {agg['wall_s']['mean'] / 60:.1f} min |"
     )
     return "\n".join(rows)
+
+
+@figure("demo.length_first")
+def length_first(r) -> str:
+    return span(_aggregate(r)["completion_length_first"], "{:.0f}")
+
+
+@figure("demo.length_last")
+def length_last(r) -> str:
+    return span(_aggregate(r)["completion_length_last"], "{:.0f}")
+
+
+@figure("demo.mismatch")
+def mismatch(r) -> str:
+    agg = _aggregate(r)
+    both = {"min": min(agg["mismatch_abs_logp_first"]["min"], agg["mismatch_abs_logp_last"]["min"])}
+    both["max"] = max(agg["mismatch_abs_logp_first"]["max"], agg["mismatch_abs_logp_last"]["max"])
+    return span(both)
+
+
+@figure("demo.fp32_run")
+def fp32_run(r) -> str:
+    """The float32 run of the demo on a CPU without AVX-512 (the shared-prompt generation measurement)."""
+    data = r("demo_shared_generation.json")
+    m = SUMMARY.search(data["runs"]["shared"]["summary"])
+    return (
+        f"an accuracy reward of {float(m['reward_first']):.2f} → {float(m['reward_last']):.2f} and a held-out "
+        f"accuracy of {float(m['heldout_before']):.2f} → {float(m['heldout_after']):.2f} "
+        f"({data['meta']['machine']['cpu']})"
+    )
