@@ -1,7 +1,7 @@
 """Render every marked figure and table of the user pages from `benchmarks/results/` (`benchmarks/figures/core.py`).
 
-    python benchmarks/render_figures.py           # rewrite the marked spans in place
-    python benchmarks/render_figures.py --check   # exit 1 and list the problems if any page is stale or unbacked
+python benchmarks/render_figures.py           # rewrite the marked spans in place
+python benchmarks/render_figures.py --check   # exit 1 and list the problems if any page is stale or unbacked
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "recipes/qwen2.5_0.5b/gsm8k/config_1gpu.yaml": {">= 24 GB": "the GPU memory the recipe is sized for"},
     "recipes/qwen2.5_1.5b/gsm8k/config_8gpu.yaml": {"80 GB": "the GPU memory the recipe is sized for"},
     "recipes/smollm2_135m/arithmetic/config_demo_vllm.yaml": {"in GiB": "the unit of a setting"},
+    "docs/engines.md": {"80 GB GPU": "the GPU memory a config is sized for"},
 }
 
 

@@ -53,11 +53,6 @@ def heldout_gain(r) -> str:
     return span(_aggregate(r)["heldout_gain"], "{:+.2f}")
 
 
-@figure("demo.step_s")
-def step_s(r) -> str:
-    return span(_aggregate(r)["step_s"], "{:.1f}") + " s"
-
-
 @figure("demo.wall_min")
 def wall_min(r) -> str:
     return span({k: v / 60 for k, v in _aggregate(r)["wall_s"].items() if k in ("min", "max")}, "{:.0f}") + " min"
