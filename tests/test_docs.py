@@ -310,3 +310,43 @@ def test_the_getting_started_python_example_trains_offline(tmp_path, monkeypatch
 def test_ci_runs_the_readme_test_command():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf8").splitlines()]
     assert TESTS[0] in ci, f".ci/run must run the README's test command {TESTS[0]!r}"
+
+
+# How a page was developed ("the fix", "before ... now") or where it was measured in the maintainers' words ("here"):
+# the pages describe the software as it is, and the machine of a measurement is in its results file.
+HISTORY_WORDS = re.compile(
+    r"\b(?:the (?:compile )?fix\b(?! point)|what was wrong|in the previous version"
+    r"|the previous version of (?:the|this) (?:code|package|page|trainer|documentation)"
+    r"|today'?s?\b|the project's \d-core machine|untested here|(?:measured|run|ran|tested) here\b|on this machine"
+    r"|the old (?:code|path|version))",
+    flags=re.IGNORECASE,
+)
+
+
+def _history_words(text: str) -> list[str]:
+    lines = enumerate(text.splitlines(), 1)
+    return [
+        f"{n}: {line.strip()[:100]}" for n, line in lines if HISTORY_WORDS.search(re.sub(r"https?://\S+", "", line))
+    ]
+
+
+def test_user_pages_describe_the_software_as_it_is():
+    found = {str(p.relative_to(ROOT)): _history_words(p.read_text(encoding="utf8")) for p in _user_pages()}
+    found.pop("CHANGELOG.md")  # a dated record of changes by design
+    found = {page: lines for page, lines in found.items() if lines}
+    assert not found, "pages that speak of their history or of the test machine:\n" + json.dumps(found, indent=1)
+
+
+@pytest.mark.parametrize(
+    "line, flagged",
+    [
+        ("A second run after the compile fix", True),
+        ("## What was wrong", True),
+        ("0.87x today's step time", True),
+        ("Untested here: the CUDA path", True),
+        ("the worker has copied the previous version of the weights", False),
+        ("the fix point of the iteration", False),
+    ],
+)
+def test_the_history_check(line, flagged):
+    assert bool(_history_words(line)) == flagged
