@@ -6,8 +6,9 @@
 #   scripts/check_min_versions.sh [WORK_DIR]      # WORK_DIR: where the venv and the run go (default: a new temp dir)
 #
 # torch is installed first, at TORCH_VERSION (default 2.13.0, the CPU build on local disk): a torch at the range's
-# lower bound would be a multi-GB download of another build. Every other dependency with a ">=" bound is pinned to
-# exactly that bound; dependencies pip needs beyond them resolve freely. Takes a few minutes (mostly installing).
+# lower bound would be a multi-GB download of another build. Every other dependency is pinned to exactly its lower
+# bound: a ">=" bound, or the version of an "==" pin (trl: the releases the trainers are tested with); dependencies
+# pip needs beyond them resolve freely. Takes a few minutes (mostly installing).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,17 +23,19 @@ echo "work dir: $WORK"
 "$PYTHON" -m build --wheel --outdir "$WORK/dist" "$ROOT" > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
 WHEEL="$(ls "$WORK"/dist/hf_rlloss-*.whl)"
 
-# 2. The minimum versions: "name>=X" -> "name==X" for every runtime dependency (torch: TORCH_VERSION).
+# 2. The minimum versions: "name>=X" or "name==X" -> "name==X" for every runtime dependency (torch: TORCH_VERSION).
 "$PYTHON" - "$ROOT/pyproject.toml" "$TORCH_VERSION" > "$WORK/min-constraints.txt" <<'EOF'
-import re, sys, tomllib
+import sys, tomllib
+from packaging.requirements import Requirement  # installed with `build`
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 for dep in deps:
-    name = re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0]
-    low = re.search(r">=\s*([^,;\s]+)", dep)
-    if name == "torch":
+    req = Requirement(dep)
+    # the lower bound: ">=X", or "==X" (an exact pin; not a wildcard "==X.*")
+    low = [s.version for s in req.specifier if s.operator in (">=", "==") and not s.version.endswith("*")]
+    if req.name == "torch":
         print(f"torch=={sys.argv[2]}")
     elif low:
-        print(f"{name}=={low.group(1)}")
+        print(f"{req.name}=={low[0]}")
     else:
         sys.exit(f"{dep!r} has no lower bound: give it one")
 EOF

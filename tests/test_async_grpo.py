@@ -678,3 +678,18 @@ def test_moe_router_loss_as_stock_async_trainer(moe_policy, tok, tmp_path):
     logs = [h for h in trainer.state.log_history if "loss/total" in h]
     stock_logs = [h for h in stock_trainer.state.log_history if "aux_loss" in h]
     assert [log["aux_loss"] for log in logs] == pytest.approx([log["aux_loss"] for log in stock_logs], rel=1e-5)
+
+
+def test_auto_tree_attention_on_cuda_without_kernels_says_it_uses_sdpa(monkeypatch, caplog):
+    """`tree_attention="auto"` picks TRL's FA3 kernel on CUDA when the `kernels` package is there; without it the
+    portable SDPA tree attention runs, and a warning says why."""
+    from hf_rlloss.trainer.async_grpo_trainer import TREE_ATTENTION, tree_attention_name
+
+    monkeypatch.setitem(__import__("sys").modules, "kernels", None)  # `import kernels` raises ImportError
+    with caplog.at_level("WARNING"):
+        name = tree_attention_name("auto", "cuda")
+    assert name != TREE_ATTENTION and "the kernels package is not installed" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        tree_attention_name("auto", "cpu")  # SDPA is the only tree attention off CUDA: nothing falls back
+    assert "kernels" not in caplog.text

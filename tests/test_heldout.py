@@ -105,7 +105,7 @@ def test_summary_and_curves_show_heldout_accuracy_before_and_after(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
-def test_vllm_evaluation_stays_sampled():
+def test_vllm_evaluation_stays_sampled(caplog):
     class VLLMTrainer:  # TRL builds no generation_config under vLLM
         use_vllm = True
 
@@ -113,4 +113,6 @@ def test_vllm_evaluation_stays_sampled():
             return "sampled"
 
     trainer = VLLMTrainer()
-    assert evaluate_greedily(trainer) is False and trainer.evaluate() == "sampled"
+    with caplog.at_level("WARNING"):
+        assert evaluate_greedily(trainer) is False and trainer.evaluate() == "sampled"
+    assert "held-out evaluation samples as training does instead of decoding greedily: vLLM takes" in caplog.text

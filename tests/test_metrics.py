@@ -45,6 +45,33 @@ def test_accumulate_uses_declared_reductions_not_names():
     assert total["my/max_like_but_summed"] == 3.0
 
 
+def test_a_registered_finalizer_derives_a_logged_metric_from_the_reduced_sums(monkeypatch):
+    """`register_finalizer` is public (importable from `hf_rlloss` and `hf_rlloss.loss`): a finalizer gets the
+    step's reduced sums of keys declared without `logged_as` and logs what it derives from them."""
+    import hf_rlloss.loss
+    from hf_rlloss import register_finalizer
+    from hf_rlloss.loss import metrics as metrics_module
+
+    assert hf_rlloss.loss.register_finalizer is register_finalizer
+    monkeypatch.setattr(metrics_module, "_FINALIZERS", list(metrics_module._FINALIZERS))  # this test's, then gone
+    for key in ("my_acc/hits", "my_acc/total"):
+        monkeypatch.delitem(metrics_module.METRICS, key, raising=False)  # undeclared again after the test
+        register_metric(key, Reduction.SUM)
+
+    @register_finalizer
+    def hit_rate(reduced: dict[str, float]) -> dict[str, float]:
+        if "my_acc/total" not in reduced:
+            return {}
+        return {"my/hit_rate": reduced["my_acc/hits"] / reduced["my_acc/total"]}
+
+    valid = {"train_policy/valid_tokens": torch.tensor(3.0)}  # as every loss context emits it
+    first = {**valid, "my_acc/hits": torch.tensor(1.0), "my_acc/total": torch.tensor(4.0)}
+    step = accumulate_metrics(first, {**valid, "my_acc/hits": torch.tensor(2.0), "my_acc/total": torch.tensor(2.0)})
+    final = finalize_train_policy_metrics(step)
+    assert final["my/hit_rate"] == pytest.approx(0.5)  # (1 + 2) / (4 + 2): a ratio of the step's sums
+    assert "my_acc/hits" not in final  # declared without logged_as: the finalizers' input only
+
+
 def test_empty_step_gives_zeros_not_nan():
     metrics = train_policy_metrics(torch.zeros(0), torch.zeros(0), {})
     final = finalize_train_policy_metrics(metrics)

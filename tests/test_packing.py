@@ -113,6 +113,33 @@ def test_rows_without_completion_tokens_are_not_forwarded():
         build_layout("tree", *_batch())
 
 
+def test_a_micro_batch_forwarded_in_another_layout_says_why(caplog):
+    """A micro-batch that cannot be packed exactly is forwarded padded (or, under SP, packed padding-free): a
+    warning names the reason, once per reason."""
+    import types
+
+    from transformers.utils import logging
+
+    from hf_rlloss.trainer.common.forwards import LossLayerForwards
+
+    prompts, prompt_mask, completions, completion_mask = _batch()
+    no_prompt = prompt_mask.clone()
+    no_prompt[0] = 0
+    logging.get_logger("hf_rlloss").warning_once.cache_clear()  # one cache for every logger of the process
+    with caplog.at_level("WARNING"):
+        assert build_layout("shared_prefix", prompts, no_prompt, completions, completion_mask) is None
+    said = "packing='shared_prefix': a row has a completion but no prompt token, so this micro-batch is forwarded"
+    assert said in caplog.text
+    caplog.clear()
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(packing="shared_prefix"))
+    batch = {"prompt_ids": prompts, "prompt_mask": no_prompt, "completion_ids": completions}
+    batch["completion_mask"] = completion_mask
+    with caplog.at_level("WARNING"):
+        layout = LossLayerForwards._sp_layout(trainer, batch)
+    assert layout.mode == "padding_free"
+    assert "no prompt token, so this micro-batch is packed padding-free under SP" in caplog.text
+
+
 def test_the_packing_option_is_validated(tmp_path):
     assert RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).packing == "shared_prefix"
     with pytest.raises(ValueError, match="packing='tree'; expected one of 'shared_prefix', 'padding_free', 'off'"):

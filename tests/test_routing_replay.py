@@ -388,6 +388,77 @@ def test_trainer_old_policy_replays_the_pi_old_routes(tok, tmp_path):
     assert logs[0]["routing/disagreement"] == 0.0 and logs[1]["routing/disagreement"] > 0.0
 
 
+def _loss_forward_routes(trainer) -> list[dict]:
+    """Spy on the loss forwards (`count=True`) of `trainer`: per forward its batch's `(B, P + C)` attention mask and,
+    per MoE layer, the router's own top-k (seen before the replay hook) and the experts it hands on (seen after)."""
+    forwards, hidden_states = [], trainer._completion_hidden_states
+    routers = [router for router, _ in find_routers(trainer.model)]
+
+    def completion_hidden_states(unwrapped, batch, output_router_logits=False, count=False):
+        if count:
+            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            forwards.append({"mask": mask.bool(), "live": {}, "replayed": {}})
+        return hidden_states(unwrapped, batch, output_router_logits, count)
+
+    def spy(key):
+        def hook(router, args, output):
+            if trainer._routing.counting:
+                forwards[-1][key][routers.index(router)] = output[2].clone()
+
+        return hook
+
+    trainer._completion_hidden_states = completion_hidden_states
+    for router in routers:
+        router.register_forward_hook(spy("live"), prepend=True)
+        router.register_forward_hook(spy("replayed"))
+    return forwards
+
+
+def _independent_routing_metrics(forward: dict, packing: str) -> tuple[int, float]:
+    """`(replayed tokens, disagreement)` of one loss forward: over its real tokens with a route, the fraction of
+    replayed experts not among the router's own top-k. A padded forward routes every position of the batch, padding
+    included; a packed row forwards the real tokens only."""
+    replayed, live = forward["replayed"], forward["live"]
+    rows = replayed[0].shape[0]
+    mask = forward["mask"].reshape(-1)
+    real = mask if packing == "off" else torch.ones(rows, dtype=torch.bool)
+    assert real.shape[0] == rows and (packing == "off" or rows <= int(mask.sum()))
+    decisions = differing = 0
+    for layer in replayed:
+        ids, own = replayed[layer][real], live[layer][real]
+        decisions += ids.numel()
+        differing += sum(len(set(a.tolist()) - set(b.tolist())) for a, b in zip(ids, own))
+    return int(real.sum()), differing / decisions
+
+
+@pytest.mark.parametrize("packing", ["off", "padding_free", "shared_prefix"])
+def test_routing_metrics_count_the_real_tokens_only(tok, tmp_path, packing):
+    """`routing/replayed_tokens` and `routing/disagreement` count the real (attention-mask) tokens of the loss
+    forwards only, in every packing layout: `routing_replay="old_policy"` (2 iterations, a large learning rate so
+    that the second step's routing moves) on micro-batches of two prompts of different lengths (left padding),
+    checked against a count from the routers' own top-k and the replayed experts. Under `packing="off"` the padded
+    forward routes the padding too, and the π_old pass recorded a route there: it is replayed but not counted."""
+    dataset = Dataset.from_dict({"prompt": [f"Q{i:02d}: add" + " 1" * (2 * i) for i in range(16)]})  # 16 lengths
+    args = RLLossGRPOConfig(
+        output_dir=str(tmp_path), routing_replay="old_policy", packing=packing, num_iterations=2,
+        **{**BASE_ARGS, "max_steps": 2, "num_generations": 2, "learning_rate": 3e-2},
+    )  # fmt: skip
+    trainer = RLLossGRPOTrainer(
+        tiny_moe(tok, "qwen3_moe"), [reward_length], args=args, train_dataset=dataset, processing_class=tok
+    )
+    assert trainer._packing == packing
+    forwards = _loss_forward_routes(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "routing/disagreement" in h]
+    assert len(forwards) == len(logs) == 2  # one micro-batch per step
+    assert all(not forward["mask"].all() for forward in forwards)  # left padding: the prompts' lengths differ
+    for forward, log in zip(forwards, logs):
+        tokens, disagreement = _independent_routing_metrics(forward, packing)
+        assert log["routing/replayed_tokens"] == tokens
+        assert log["routing/disagreement"] == pytest.approx(disagreement, abs=1e-6)
+    assert logs[1]["routing/disagreement"] > 0.0  # the update moved the routers: a vacuous comparison otherwise
+
+
 def _reward_constant_for_odd(prompts, completions, **kwargs):
     """The completion's length, except one reward for every completion of the odd prompts `Q<n>: ...`."""
     return [0.5 if int(p[1 : p.index(":")]) % 2 else len(c) / 8.0 for p, c in zip(prompts, completions)]
@@ -441,6 +512,23 @@ def test_dynamic_sampling_replays_the_kept_rows_routes(tok, tmp_path):
         # the trainer's own fp32 routing in another layout (padding-free rows) flips a near-tied choice now and then
         # (1 of 672 decisions in one step here); routes of another row would disagree on most (about 0.7)
         assert log["routing/disagreement"] < 0.01
+
+
+def test_a_batch_without_recorded_routes_is_routed_live_and_said(caplog):
+    """Under `"rollout"`, a batch whose first HF generate call did not record every row's routes is routed live (the
+    π_old pass, the reference and the loss), said in a warning."""
+    import types
+
+    from transformers.utils import logging
+
+    from hf_rlloss.trainer.common.routing_replay import RoutingReplayTrainer
+
+    route = torch.zeros(3, 2, 2, dtype=torch.int16)
+    trainer = types.SimpleNamespace(_routing_mode="rollout", _routing_generated=[([route] * 2, [route] * 2)])
+    logging.get_logger("hf_rlloss").warning_once.cache_clear()  # one cache for every logger of the process
+    with caplog.at_level("WARNING"):
+        assert RoutingReplayTrainer._routing_rollout_routes(trainer, 4, 3, 5) is None
+    assert "recorded the routes of 2 rows, not of the batch's 4: that batch is routed live" in caplog.text
 
 
 def test_refusals(tok, tmp_path):

@@ -129,15 +129,20 @@ def test_old_policy_replay_in_the_async_trainer(moe_path, tok, tmp_path):
     """`routing_replay="old_policy"` with `num_mini_batches=2`: the loss forward of each mini-batch routes every token
     through the experts its π_old pass chose (computed for both mini-batches before the first update); the first
     is on-policy (disagreement 0), the second trains after an update, which the routers' own choice has moved
-    away from (disagreement > 0)."""
+    away from (disagreement > 0). The `routing/*` metrics count the packed row's tokens (its padding stripped), as
+    an independent count from the routers' own top-k says."""
     samples = fixed_samples(4)
-    seen = {"record": [[], []], "loss": [[], []]}
+    seen = {"record": [[], []], "loss": [[], []], "live": [[], []]}
     trainer_box = {}
 
     def spy(router, args, output):  # registered after the replay hook: sees the experts it hands on
         state = trainer_box["t"]._routing.state
         if state in ("record", "replay"):
             seen["record" if state == "record" else "loss"][routers.index(router)].append(output[2].clone())
+
+    def live_spy(router, args, output):  # registered before the replay hook: the router's own top-k
+        if trainer_box["t"]._routing.counting:
+            seen["live"][routers.index(router)].append(output[2].clone())
 
     args = RLLossAsyncGRPOConfig(
         output_dir=str(tmp_path), routing_replay="old_policy", num_mini_batches=2,
@@ -150,6 +155,7 @@ def test_old_policy_replay_in_the_async_trainer(moe_path, tok, tmp_path):
     trainer_box["t"] = trainer
     routers = [router for router, _ in find_routers(trainer.model)]
     handles = [r.register_forward_hook(spy) for r in routers]
+    handles += [r.register_forward_hook(live_spy, prepend=True) for r in routers]
     trainer.train()
     for handle in handles:
         handle.remove()
@@ -159,6 +165,12 @@ def test_old_policy_replay_in_the_async_trainer(moe_path, tok, tmp_path):
             assert torch.equal(seen["loss"][layer][mini_batch], seen["record"][layer][mini_batch])
     logs = [h for h in trainer.state.log_history if "loss/total" in h]
     assert logs[0]["routing/disagreement"] == 0.0 and logs[1]["routing/disagreement"] > 0.0
+    for step, log in enumerate(logs):  # one loss forward per step, of one packed row: every position a real token
+        replayed = [seen["loss"][layer][step] for layer in range(2)]
+        live = [seen["live"][layer][step] for layer in range(2)]
+        differing = sum(len(set(a.tolist()) - set(b.tolist())) for r, o in zip(replayed, live) for a, b in zip(r, o))
+        assert log["routing/replayed_tokens"] == replayed[0].shape[0]
+        assert log["routing/disagreement"] == pytest.approx(differing / sum(r.numel() for r in replayed), abs=1e-6)
 
 
 def test_async_refusals(moe_path, tok, tmp_path):

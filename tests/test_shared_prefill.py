@@ -145,6 +145,73 @@ def test_unshareable_calls_run_as_ordinary_calls_and_say_why(caplog):
     assert torch.equal(beams, ordinary)
 
 
+def _said(caplog, module: str):
+    """Clear transformers' `warning_once` memory and capture the warnings of `hf_rlloss.<module>`."""
+    logger = transformers.utils.logging.get_logger(f"hf_rlloss.{module}")
+    logger.warning_once.cache_clear()  # one cache for every logger of the process
+    logger.propagate = True
+    return caplog.at_level("WARNING", logger=logger.name)
+
+
+def test_one_token_prompts_run_as_ordinary_calls_and_say_why(caplog):
+    model = _tiny("qwen2")
+    ids, mask = _batch(lengths=(1, 1), repeats=(3, 2))
+    with _said(caplog, "trainer.common.shared_prefill"):
+        _, _, first_forward = _generate(model, ids, mask, share=True)
+    assert first_forward == (5, 1)  # generate's own prefill of every row
+    assert "shared-prompt generation is off" in caplog.text and "every prompt is one token long" in caplog.text
+
+
+def test_positional_calls_run_as_ordinary_calls_and_say_why(caplog):
+    model = _tiny("qwen2")
+    ids, mask = _batch()
+    with _said(caplog, "trainer.common.shared_prefill"), torch.no_grad(), sharing_prompts(model):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, eos_token_id=None)
+    assert out.shape == (ids.size(0), ids.size(1) + 2)
+    assert "shared-prompt generation is off" in caplog.text and "positional arguments" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["rollout", "old_policy"])
+def test_trainer_sets_sharing_aside_under_rollout_routing_replay_and_says_so(tmp_path, caplog, mode):
+    """`routing_replay="rollout"` records the routers during generate row by row: every row is prefilled, said once
+    when the trainer is built; `"old_policy"` records nothing during generation and shares."""
+    from _models import tiny_moe
+    from _trainer_utils import BASE_ARGS, make_dataset, make_tokenizer, reward_length
+
+    from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+
+    tok = make_tokenizer()
+    args = RLLossGRPOConfig(output_dir=str(tmp_path), routing_replay=mode, **BASE_ARGS)
+    with _said(caplog, "trainer.common.routing_replay"):
+        trainer = RLLossGRPOTrainer(
+            tiny_moe(tok, "qwen3_moe"), reward_length, args=args, train_dataset=make_dataset(), processing_class=tok
+        )
+    said = "shared_prompt_generation is set aside: routing_replay='rollout' records the routers" in caplog.text
+    assert said == (mode == "rollout")
+    prompts = [tok("add 3+4 =")["input_ids"], tok("Q: 12*3 is")["input_ids"]]
+    prompt_ids = [p for p in prompts for _ in range(4)]
+    width = max(map(len, prompts))
+    first_forward = _trainer_generation(trainer, prompt_ids, share=True)[2]
+    assert first_forward == ((8, width) if mode == "rollout" else (2, width - 1))
+
+
+def test_cpu_rollout_worker_sets_sharing_aside_under_rollout_routing_replay_and_says_so(tmp_path, caplog):
+    from _async import ASYNC_ARGS
+    from _trainer_utils import make_dataset, make_tokenizer, reward_length
+
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+
+    tok = make_tokenizer()
+    for mode in ("rollout", "old_policy"):
+        args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), routing_replay=mode, **ASYNC_ARGS)
+        caplog.clear()
+        with _said(caplog, "trainer.async_.cpu_rollout"):
+            HFGenerateRolloutWorker(str(tmp_path / "policy"), make_dataset(4), [reward_length], tok, args)
+        said = "shared_prompt_generation is set aside: routing_replay='rollout'" in caplog.text
+        assert said == (mode == "rollout"), mode
+
+
 def test_distinct_prompts_and_disabled_sharing_leave_generate_alone():
     model = _tiny("qwen2")
     ids, mask = _batch(repeats=(1, 1, 1))

@@ -15,7 +15,14 @@ from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs, chunked_ob
 from .config import BaseRLLossConfig, GRPOLossConfig, PolicyLossConfig
 from .context import BaseRLLossContext, BaseRLLossKwargs, GRPOLossContext, train_policy_metrics
 from .kl import KL_TYPES, compute_kl_loss_weight, kl_penalty
-from .metrics import Reduction, accumulate_metrics, finalize_train_policy_metrics, reduce_metrics, register_metric
+from .metrics import (
+    Reduction,
+    accumulate_metrics,
+    finalize_train_policy_metrics,
+    reduce_metrics,
+    register_finalizer,
+    register_metric,
+)
 from .policy_losses import AGG_MODES, PolicyLossSpec, get_policy_loss, register_policy_loss, registered_policy_losses
 from .rollout_is import RolloutImportanceSampling, compute_rollout_is, finalize_rollout_is_metrics
 
@@ -42,6 +49,7 @@ __all__ = [
     "get_policy_loss",
     "kl_penalty",
     "reduce_metrics",
+    "register_finalizer",
     "register_metric",
     "register_policy_loss",
     "registered_policy_losses",

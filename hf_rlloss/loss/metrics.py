@@ -394,8 +394,18 @@ _FINALIZERS: list[Callable[[dict[str, float]], dict[str, float]]] = []
 
 
 def register_finalizer(fn: Callable[[dict[str, float]], dict[str, float]]) -> Callable:
-    """Register ``fn(reduced) -> final metrics``, applied by `finalize_train_policy_metrics` to the all-reduced
-    values of every declared key (decorator). Lets user code add derived metrics without extra collectives."""
+    """Register a finalizer of the step's metrics (decorator): `finalize_train_policy_metrics` calls `fn(reduced)`
+    with the all-reduced values of the step's declared keys (`register_metric`, also those without `logged_as`)
+    and logs what it returns. Lets user code add derived metrics, e.g. a ratio of two sums, without extra
+    collectives.
+
+    Args:
+        fn (`Callable[[dict[str, float]], dict[str, float]]`): the reduced values by key to the metrics to log;
+            it returns `{}` when the keys it reads are not in `reduced` (a step that emitted none of them).
+
+    Returns:
+        `fn`, unchanged.
+    """
     _FINALIZERS.append(fn)
     return fn
 

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # GenerationConfig attributes that only matter when sampling (unset while decoding greedily)
 _SAMPLING_SETTINGS = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None, "min_p": None}
@@ -51,8 +54,12 @@ def evaluate_greedily(trainer: Any) -> bool:
     """Make `trainer.evaluate` (the evaluations of `eval_strategy`, `eval_on_start` and explicit calls) decode
     greedily with HF generate; returns whether it does. vLLM takes its sampling settings from the trainer's
     arguments, not from a `generation_config` (TRL builds none then): its evaluation stays sampled at the training
-    temperature, and `False` is returned."""
+    temperature, `False` is returned and a warning says so."""
     if getattr(trainer, "use_vllm", False) or getattr(trainer, "generation_config", None) is None:
+        why = "the trainer has no generation_config"
+        if getattr(trainer, "use_vllm", False):
+            why = "vLLM takes its sampling settings from the trainer's arguments"
+        logger.warning(f"held-out evaluation samples as training does instead of decoding greedily: {why}")
         return False
     evaluate = trainer.evaluate
 

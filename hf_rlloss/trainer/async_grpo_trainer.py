@@ -110,6 +110,11 @@ def tree_attention_name(backend: str, device_type: str) -> str:
         except ImportError:
             has_kernels = False
         backend = "fa3" if device_type == "cuda" and has_kernels else "sdpa"
+        if device_type == "cuda" and not has_kernels:
+            logger.warning(
+                "tree_attention='auto' on CUDA: the kernels package is not installed, so the packed rows use the "
+                "portable SDPA tree attention instead of TRL's FlashAttention-3 kernel (pip install kernels)"
+            )
     if backend == "fa3":
         if device_type != "cuda":
             raise ValueError(

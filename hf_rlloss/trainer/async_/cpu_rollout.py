@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOConfig
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
@@ -47,6 +48,8 @@ from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel
 from .routing import sample_routes
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "batch_seed", "group_advantages"]
 
@@ -189,6 +192,11 @@ class HFGenerateRolloutWorker:
         self.records_logprobs = record_logprobs
         routing_replay = getattr(args, "routing_replay", "off")
         self.records_routes = routing_replay == "rollout"  # read by RLLossAsyncGRPOTrainer
+        if self.records_routes and shared_prompt_generation:
+            logger.warning(
+                "HFGenerateRolloutWorker: shared_prompt_generation is set aside: routing_replay='rollout' records the "
+                "routers during generate row by row, and a prompt prefilled once would give its completions one row"
+            )
         self._settings = _Settings(
             model_path=model,
             prompts=rows,

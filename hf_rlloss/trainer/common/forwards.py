@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LogitsProcessorList
+from transformers.utils import logging
 from trl.trainer.utils import maybe_gather_lm_head_ctx, use_adapter
 
 from ...loss.context import BaseRLLossContext
@@ -30,11 +31,13 @@ from ...parallel.ulysses import ulysses_sequence_parallel
 from .engines import call_through_wrapper, head_operands
 from .lm_head import active_head, causal_lm, head_logprobs, load_balancing_loss_func
 from .multimodal import backbone_inputs, multimodal_inputs, multimodal_rows
-from .packing import PackedLayout, build_layout, pack_padding_free, packing_metrics
+from .packing import PackedLayout, build_layout, layout_fallback_reason, pack_padding_free, packing_metrics
 from .routing_replay import get_batch_routes, routed_forward, set_batch_routes
 from .sp_batch import SPMicroBatch
 
 __all__ = ["LossLayerForwards", "prompt_and_completion"]
+
+logger = logging.get_logger(__name__)
 
 
 def prompt_and_completion(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,13 +281,16 @@ class LossLayerForwards:
     def _sp_layout(self, batch: dict[str, Any]) -> PackedLayout:
         """The packed row of a micro-batch under sequence parallelism, which always shards a packed row:
         `args.packing`'s layout (`"off"` packs padding-free, as SP did before `packing` existed); a batch that
-        `build_layout` rejects is packed padding-free (a row without prompt: its first token is not predicted)."""
+        `layout_fallback_reason` rejects is packed padding-free (a row without prompt: its first token is not
+        predicted), logged once per reason where that changes the layout."""
         mode = "padding_free" if self.args.packing == "off" else self.args.packing
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-        layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask)
-        if layout is not None:
-            return layout
+        reason = layout_fallback_reason(prompt_mask, completion_mask)
+        if reason is None:
+            return build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if mode != "padding_free":
+            logger.warning_once(f"packing={mode!r}: {reason}, so this micro-batch is packed padding-free under SP")
         if not bool(completion_mask.any()):  # every completion masked (e.g. truncated): the group still runs the
             # same forward and collectives, on one term whose label the loss data and `_block_logps` mask out
             completion_mask = torch.zeros_like(completion_mask)

@@ -358,7 +358,7 @@ def build_layout(
         return None
     reason = layout_fallback_reason(prompt_mask, completion_mask)
     if reason is not None:
-        logger.info_once(f"packing={mode!r}: {reason}, so this micro-batch is forwarded padded (packing='off')")
+        logger.warning_once(f"packing={mode!r}: {reason}, so this micro-batch is forwarded padded (packing='off')")
         return None
     if every_prompt:
         if mode != "padding_free":

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ...loss.metrics import Reduction, register_finalizer, register_metric
 from ...parallel.sequence import sp_gather, sp_rank, sp_split
@@ -62,6 +63,8 @@ __all__ = [
     "routing_metrics",
     "set_batch_routes",
 ]
+
+logger = logging.get_logger(__name__)
 
 ROUTING_REPLAY_MODES = ("off", "rollout", "old_policy")
 NO_ROUTE = -1
@@ -322,6 +325,7 @@ class RoutingReplay:
         self.targets: torch.Tensor | None = None  # (N, L, k) for the current forward's router rows
         self.captured: list[torch.Tensor] | None = None  # a list while an "old_policy" π_old pass is captured
         self.counting = False
+        self.counted: torch.Tensor | None = None  # (N,) the router rows counted (real tokens); None: every row
         self.counts: dict[str, float] = {}
         self._row_differs: torch.Tensor | None = None
         self._layers: dict[int, tuple[int, RouterFamily]] = {}
@@ -367,11 +371,12 @@ class RoutingReplay:
         has_route = target[:, 0] >= 0  # (N,)
         chosen = torch.where(has_route[:, None], target, ids)
         if self.counting:
-            self._count(layer, chosen[has_route], ids[has_route], has_route)
+            counted = has_route if self.counted is None else has_route & self.counted.to(has_route.device)
+            self._count(layer, chosen[counted], ids[counted])
         hidden = args[0].reshape(-1, args[0].shape[-1]) if args else logits
         return logits, family.gate(router, logits, chosen, hidden), chosen
 
-    def _count(self, layer: int, replayed: torch.Tensor, live: torch.Tensor, has_route: torch.Tensor) -> None:
+    def _count(self, layer: int, replayed: torch.Tensor, live: torch.Tensor) -> None:
         differing, k = disagreement(replayed, live)
         counts = self.counts
         counts[_DECISIONS] = counts.get(_DECISIONS, 0.0) + float(differing.numel() * k)
@@ -406,18 +411,22 @@ class RoutingReplay:
             self.state = "live"
 
     @contextlib.contextmanager
-    def replay(self, targets: torch.Tensor | None, count: bool = False) -> Iterator[None]:
+    def replay(
+        self, targets: torch.Tensor | None, count: bool = False, real: torch.Tensor | None = None
+    ) -> Iterator[None]:
         """Replay `targets` `(N, L, k)` (the forward's router rows, `-1`: live) inside the block; `None`: live routing.
 
         After the block the targets serve activation checkpointing's recomputation of the forward in the backward
         (state `"recompute"`), and only that: a router called outside a backward routes live from then on. With
-        `count`, the disagreement is counted.
+        `count`, the disagreement is counted over the rows with a route that are real tokens (`real` `(N,)` bool,
+        e.g. a padded batch's attention mask; `None`: every row is one).
         """
         self.state, self.targets, self.counting = ("replay" if targets is not None else "live"), targets, count
+        self.counted = real
         try:
             yield
         finally:
-            self.counting = False
+            self.counting, self.counted = False, None
             if self.state == "replay":
                 self.state = "recompute"
             if count:
@@ -494,8 +503,15 @@ def routed_forward(
         if shared and (sp_mesh is None or sp_rank(sp_mesh) == 0):  # the SP group's row: counted on its first rank
             routing.counts[_SHARED] = routing.counts.get(_SHARED, 0.0) + shared
             routing.counts[_SHARED_DIFFERING] = routing.counts.get(_SHARED_DIFFERING, 0.0) + differing
-    with routing.replay(targets, count=count):
+    with routing.replay(targets, count=count, real=None if layout is not None else _padded_real_tokens(batch)):
         yield
+
+
+def _padded_real_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """`(B × (P + C),)` bool: which rows of a padded forward of `batch` are real tokens (its attention mask). The
+    forward routes the padding too, and a π_old pass under `"old_policy"` records a route there: replayed, but not
+    counted in the `routing/*` metrics (a packed row forwards real tokens only)."""
+    return torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).reshape(-1).bool()
 
 
 class RoutingReplayTrainer:
@@ -518,10 +534,21 @@ class RoutingReplayTrainer:
                 "routing_replay='rollout' records the experts chosen during HF generate; a rollout_func returns no "
                 "routed experts: use routing_replay='old_policy' or 'off'"
             )
+        if self._routing_mode == "rollout" and self._shares_prompts():
+            logger.warning(
+                "shared_prompt_generation is set aside: routing_replay='rollout' records the routers during HF "
+                "generate row by row, and a prompt prefilled once would give its G completions one row of routes"
+            )
         self._routing = RoutingReplay()
         self._routing.attach(self._causal_lm(unwrapped))
         if self.ref_model is not None:
             self._routing.attach(self.accelerator.unwrap_model(self.ref_model))
+
+    def _shares_prompts(self) -> bool:
+        """Whether HF generate would share each prompt's prefill (`shared_prompt_generation`) but for the replay."""
+        args = self.args
+        hf_generate = not self.use_vllm and not getattr(args, "use_transformers_continuous_batching", False)
+        return hf_generate and bool(getattr(args, "shared_prompt_generation", False))
 
     def _routing_recorded_generate(self, generate: Callable[[], Any], prompt_ids: list[list[int]]) -> Any:
         """`generate()` (TRL's HF-generate turn) with the routers recorded under `"rollout"`; each sample's routes are
@@ -543,11 +570,16 @@ class RoutingReplayTrainer:
     def _routing_rollout_routes(self, rows: int, prompt_length: int, completion_length: int) -> torch.Tensor | None:
         """`(B, P + C, L, k)` routes of the generation batch from its first generate call (with tool calls, the later
         turns' tokens and the tool results are routed live), or `None` when no call covered every row."""
-        if self._routing_mode != "rollout" or not self._routing_generated:
+        if self._routing_mode != "rollout":
             return None
-        prompts, completions = self._routing_generated[0]
+        prompts = self._routing_generated[0][0] if self._routing_generated else []
         if len(prompts) != rows:
+            logger.warning_once(
+                f"routing_replay='rollout': the first HF generate call of a batch recorded the routes of "
+                f"{len(prompts)} rows, not of the batch's {rows}: that batch is routed live (not replayed)"
+            )
             return None
+        completions = self._routing_generated[0][1]
         routes = batch_routes(prompts, completions, prompt_length, completion_length)
         return routes.to(self.accelerator.device)
 

@@ -13,8 +13,10 @@ from the first real token, the mask dropped when there is no padding, the logits
 
 What cannot share falls back to the ordinary call, said once in the log: encoder-decoder models, models without a
 `DynamicCache`, a cache implementation or cache of the caller's, beam search and other non-sampling modes,
-`num_return_sequences > 1`, extra model inputs (VLM pixels, token types), prompts of one token. A batch whose rows are
-all distinct (tool-call turns, one generation per prompt) has nothing to share and runs unchanged, silently.
+`num_return_sequences > 1`, extra model inputs (VLM pixels, token types), prompts of one token, a call made with
+positional arguments. A batch whose rows are all distinct (tool-call turns, one generation per prompt) has nothing
+to share and runs unchanged, silently. The synchronous trainer and the CPU rollout worker also set sharing aside
+under `routing_replay="rollout"` (the routes are recorded row by row), said once when they are built.
 """
 
 from __future__ import annotations
@@ -129,12 +131,26 @@ def prefill_distinct_prompts(
     return preallocate_cache(cache, rows, capacity)
 
 
+def _unshareable_call(args: tuple[Any, ...], input_ids: torch.Tensor | None) -> str | None:
+    """Why the prompts of a `generate` call cannot even be compared (a short reason), or `None`."""
+    if args:  # generate(inputs, generation_config, ...) positionally: not how TRL or the worker call it
+        return "generate called with positional arguments"
+    if input_ids is None or input_ids.dim() != 2:
+        return "no (batch, length) input_ids"
+    return None
+
+
+def _say_unshared(reason: str) -> None:
+    """Log, once per reason, that a `generate` call runs without sharing its prompts' prefill."""
+    logger.warning_once(f"shared-prompt generation is off for this model and these settings: {reason}")
+
+
 def _shared_generate(lm: nn.Module, generate: Callable[..., Any], preallocate: bool, *args: Any, **kwargs: Any) -> Any:
     """`generate(*args, **kwargs)` with the distinct prompts' prefill shared, or as called when it cannot be."""
-    if args:  # generate(inputs, generation_config, ...) positionally: not how TRL or the worker call it
-        return generate(*args, **kwargs)
     input_ids = kwargs.get("input_ids", kwargs.get("inputs"))
-    if input_ids is None or input_ids.dim() != 2 or input_ids.size(1) < 2:
+    reason = _unshareable_call(args, input_ids)
+    if reason is not None:
+        _say_unshared(reason)
         return generate(*args, **kwargs)
     # the settings generate will use: the call's over the model's over transformers' defaults
     rest = {k: v for k, v in kwargs.items() if k not in ("generation_config", "inputs")}
@@ -146,8 +162,10 @@ def _shared_generate(lm: nn.Module, generate: Callable[..., Any], preallocate: b
     if first.numel() == input_ids.size(0):
         return generate(*args, **kwargs)  # every prompt distinct: nothing to share
     reason = unshareable(lm, config, model_kwargs)
+    if reason is None and input_ids.size(1) < 2:
+        reason = "every prompt is one token long (the prefill before the last prompt token is empty)"
     if reason is not None:
-        logger.warning_once(f"shared-prompt generation is off for this model and these settings: {reason}")
+        _say_unshared(reason)
         return generate(*args, **kwargs)
     inputs = {k: v for k, v in kwargs.items() if k != "inputs"}
     inputs["input_ids"] = input_ids

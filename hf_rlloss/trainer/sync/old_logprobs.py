@@ -123,9 +123,10 @@ class OldLogprobs:
         inputs = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         hf_generate = not self.use_vllm and not self.args.use_transformers_continuous_batching
         lm = self._causal_lm(self.accelerator.unwrap_model(self.model))
-        # Routing replay records the prefill's routes row by row: a prompt prefilled once has one row for G completions
+        # Routing replay records the prefill's routes row by row under "rollout" (said once, at setup): a prompt
+        # prefilled once would have one row for G completions
         replay = getattr(self.args, "routing_replay", "off")
-        share = hf_generate and self.args.shared_prompt_generation and replay == "off"
+        share = hf_generate and self.args.shared_prompt_generation and replay != "rollout"
         generate = shared_prompt_generation(super()._generate_single_turn, lm, share)
         if not (hf_generate and self.args.record_rollout_logprobs):
             return self._routing_recorded_generate(lambda: generate(*inputs), prompt_ids)
