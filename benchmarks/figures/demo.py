@@ -53,11 +53,6 @@ def heldout_gain(r) -> str:
     return span(_aggregate(r)["heldout_gain"], "{:+.2f}")
 
 
-@figure("demo.wall_min")
-def wall_min(r) -> str:
-    return span({k: v / 60 for k, v in _aggregate(r)["wall_s"].items() if k in ("min", "max")}, "{:.0f}") + " min"
-
-
 @figure("demo.machine")
 def machine(r) -> str:
     meta = r(SEEDS)["meta"]
@@ -68,24 +63,24 @@ def machine(r) -> str:
 def demo_seeds(r) -> str:
     data = r(SEEDS)
     rows = [
-        "| seed | accuracy reward, first 8 → last 8 steps | held-out accuracy, step 0 → 40 | mean step | run |",
+        "| seed | accuracy reward, first 8 → last 8 steps | held-out accuracy, step 0 → 40 | run "
+        "| load average at start |",
         "|---|---|---|---|---|",
     ]
     for run in data["runs"]:
         rows.append(
             f"| {run['seed']} | {run['reward_first']:.2f} → {run['reward_last']:.2f} "
-            f"| {run['heldout_before']:.2f} → {run['heldout_after']:.2f} | {run['step_s']:.2f} s "
-            f"| {run['wall_s'] / 60:.1f} min |"
+            f"| {run['heldout_before']:.2f} → {run['heldout_after']:.2f} | {run['wall_s'] / 60:.1f} min "
+            f"| {run['load_average_at_start'][0]:.1f} |"
         )
     agg = data["aggregate"]
 
-    def mean_sd(key: str, fmt: str = "{:.2f}") -> str:
-        return f"{fmt.format(agg[key]['mean'])} ± {fmt.format(agg[key]['sd'])}"
+    def mean_sd(key: str) -> str:
+        return f"{agg[key]['mean']:.2f} ± {agg[key]['sd']:.2f}"
 
     rows.append(
         f"| mean ± sd | {mean_sd('reward_first')} → {mean_sd('reward_last')} "
-        f"| {mean_sd('heldout_before')} → {mean_sd('heldout_after')} | {mean_sd('step_s')} s "
-        f"| {agg['wall_s']['mean'] / 60:.1f} min |"
+        f"| {mean_sd('heldout_before')} → {mean_sd('heldout_after')} | | |"
     )
     return "\n".join(rows)
 
