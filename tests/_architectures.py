@@ -27,7 +27,12 @@ from trl.trainer.utils import disable_dropout_in_model
 
 from hf_rlloss.loss.chunked_logprobs import chunked_objective
 from hf_rlloss.parallel import layouts
-from hf_rlloss.parallel.layouts import attention_dropout, switch_attention, zero_attention_dropout
+from hf_rlloss.parallel.layouts import (
+    attention_dropout,
+    model_layouts,
+    switch_attention,
+    zero_dropout,
+)
 from hf_rlloss.parallel.ulysses import register_ulysses_attention, ulysses_sequence_parallel, use_ulysses_attention
 from hf_rlloss.trainer.common.forwards import LossLayerForwards
 from hf_rlloss.trainer.common.lm_head import (
@@ -141,7 +146,28 @@ FULL_OVERRIDES: dict[str, dict] = {
     "zamba": {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 8},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    "flint": {"mlp_only_layers": []},  # its defaults make layers 0 and 1 dense: no router in a 2-layer model
+    # DeepSeek-V4's compressed sparse attention, compressing every 2 keys (its default layers compress every 128,
+    # more than the matrix's rows hold): a compressor that pools windows of absolute positions
+    "deepseek_v4_compressed": {
+        "model_type": "deepseek_v4", "layer_types": ["compressed_sparse_attention"] * 2,
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        "mlp_layer_types": ["moe", "moe"],
+    },
 }  # fmt: skip
+
+
+def _hash_routes(model: torch.nn.Module) -> None:
+    """Fill a hash router's token -> experts table (DeepSeek-V4's `tid2eid`, a checkpoint's buffer that
+    transformers initializes to zeros) with distinct random experts per token: with the zeros every token would take
+    expert 0 twice, its two weights s/(2s) = 1/2 whatever the gate, and the gate's exact gradient would be 0."""
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor):
+            experts = module.num_experts
+            rows = [torch.randperm(experts, generator=generator)[: table.shape[1]] for _ in range(table.shape[0])]
+            table.copy_(torch.stack(rows))
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -155,6 +181,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
+    _hash_routes(model)
     return model.train()
 
 
@@ -183,8 +210,14 @@ class _Forwards(LossLayerForwards):
     accelerator = SimpleNamespace(autocast=contextlib.nullcontext)
     rl_loss_config = SimpleNamespace(chunk_size=16, logit_softcapping=None, compile_epilogue=False)
 
-    def __init__(self, packing: str):
+    def __init__(self, packing: str, row_aligned: bool = False):
         self._packing = packing
+        self._row_aligned = row_aligned
+
+
+def row_aligned(model) -> bool:
+    """Whether the trainer right-aligns the padded forward of `model` (`RLLossGRPOTrainer._setup_padded_forward`)."""
+    return bool(model_layouts(causal_lm(model)).row_start)
 
 
 def _head(model, hidden, labels, w=None):  # (n, H) -> (n,) log-probs, or the differentiable Σ w · log p
@@ -209,13 +242,15 @@ def _head(model, hidden, labels, w=None):  # (n, H) -> (n,) log-probs, or the di
     return value
 
 
-def run_cell(model, mode: str, router: bool = False, truncated: bool = True) -> dict:
+def run_cell(model, mode: str, router: bool = False, truncated: bool = True, aligned: bool | None = None) -> dict:
     """One forward and backward of the micro-batch laid out as `mode`, through the trainer's code. Returns the
     `(B, C)` log-probs (0 where masked) and the parameters' gradients of `Σ w · log p`; with `router`, of that plus
-    the MoE router loss (the model's `load_balancing_loss_func`, as `_loss_forward_with_router_aux`), and its value."""
+    the MoE router loss (the model's `load_balancing_loss_func`, as `_loss_forward_with_router_aux`), and its value.
+    `aligned`: the padded forward right-aligned (default: as the trainer decides, `row_aligned`; `False`: TRL's)."""
     model.zero_grad(set_to_none=True)
     data = batch(truncated)
-    out = _Forwards(mode)._completion_hidden_states(model, data, output_router_logits=router)
+    aligned = row_aligned(model) if aligned is None else aligned
+    out = _Forwards(mode, aligned)._completion_hidden_states(model, data, output_router_logits=router)
     hidden, router_logits, router_mask, _ = out
     mask = data["completion_mask"].bool()
     labels = data["completion_ids"][mask]
@@ -225,7 +260,9 @@ def run_cell(model, mode: str, router: bool = False, truncated: bool = True) -> 
     aux = None
     if router:
         lm = causal_lm(model)
-        aux = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, router_mask)
+        aux = torch.zeros(())  # no MoE layer recorded a router: as `_loss_forward_with_router_aux`
+        if router_logits:
+            aux = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, router_mask)
         loss = loss + aux
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -255,21 +292,40 @@ def alone(model) -> dict:
     return {"logps": logps, "grads": grads}
 
 
-def reference_cell(family: str, truncated: bool = True) -> dict:
-    """`run_cell` of `off` on one process, the matrix's reference: TRL's `disable_dropout`, then no attention dropout
-    at all (`zero_attention_dropout`), as `matrix_row` computes it."""
+def trainer_model(family: str) -> torch.nn.Module:
+    """The tiny model of `family` as `RLLossGRPOTrainer` prepares it with `disable_dropout=True`: TRL's
+    `disable_dropout_in_model`, then every other dropout zeroed (`zero_dropout`, `_setup_padded_forward`)."""
     model = tiny_model(family)
     disable_dropout_in_model(model)
-    zero_attention_dropout(model)
-    return run_cell(model, "off", truncated=truncated)
+    zero_dropout(model)
+    return model
+
+
+def reference_cell(family: str, truncated: bool = True) -> dict:
+    """`run_cell` of `off` on one process, the matrix's reference: the model as the trainer prepares it with
+    `disable_dropout=True` (`trainer_model`: no dropout at all), as `matrix_row` computes it."""
+    return run_cell(trainer_model(family), "off", truncated=truncated)
+
+
+def stock_trl_cell(family: str) -> dict:
+    """`off` as stock TRL runs it (`disable_dropout=True`: TRL's `disable_dropout_in_model` only, the padded batch
+    left-padded), against each row alone on the same weights without dropout (`alone(trainer_model(...))`):
+    `{"trl": (Δ log p, Δ grad), "trainer": (Δ log p, Δ grad)}`, the trainer's `off` beside it."""
+    model = tiny_model(family)
+    disable_dropout_in_model(model)
+    exact = trainer_model(family)
+    reference = alone(exact)
+    torch.manual_seed(0)  # a dropout TRL leaves draws its mask from the global generator
+    trl = differences(run_cell(model, "off", aligned=False), reference)
+    return {"trl": trl, "trainer": differences(run_cell(exact, "off"), reference)}
 
 
 def sp_model(family: str, sp_size: int, force: bool = False) -> torch.nn.Module:
     """The tiny model of `family` as `RLLossGRPOTrainer` prepares it for `sp_size > 1` with `disable_dropout=True`:
-    TRL's `disable_dropout_in_model`, then `use_ulysses_attention` (which refuses what the rule refuses). `force`
-    switches to the Ulysses attention without the rule's check, to measure a family the rule refuses."""
-    model = tiny_model(family)
-    disable_dropout_in_model(model)
+    `trainer_model` (TRL's `disable_dropout_in_model`, then `zero_dropout`), then `use_ulysses_attention` (which
+    refuses what the rule refuses). `force` switches to the Ulysses attention without the rule's check, to measure a
+    family the rule refuses."""
+    model = trainer_model(family)
     lm = causal_lm(model)
     if force:
         switch_attention(lm, register_ulysses_attention(), f"sp_size={sp_size}: {family}, forced")
@@ -324,11 +380,13 @@ def router_loss_model(model) -> bool:
 
 
 def differences(cell: dict, reference: dict) -> tuple[float, float]:
-    """`(max |Δ log p|, max over parameters of max |Δ grad| / max |grad|)` between two cells."""
+    """`(max |Δ log p|, max over parameters of max |Δ grad| / scale)` between two cells, `scale` the parameter's
+    largest gradient, or `GRAD_FLOOR` times the model's largest where that is larger (see `GRAD_FLOOR`)."""
     dlogp = (cell["logps"] - reference["logps"]).abs().max().item()
+    largest = max((ref.abs().max().item() for ref in reference["grads"].values()), default=0.0)
     dgrad = 0.0
     for name, ref in reference["grads"].items():
-        scale = ref.abs().max().item()
+        scale = max(ref.abs().max().item(), GRAD_FLOOR * largest)
         got = cell["grads"].get(name, torch.zeros_like(ref))
         if scale > 0:
             dgrad = max(dgrad, (got - ref).abs().max().item() / scale)
@@ -350,13 +408,13 @@ def matrix_row(family: str, modes=("padding_free", "shared_prefix")) -> dict:
     except ValueError as error:
         return {"refused": str(error)}
     disable_dropout_in_model(raw)  # TRL's disable_dropout=True: the nn.Dropout modules
+    zeroed = attention_dropout(raw)  # what prepare_packing would zero (the docs table names it)
+    zero_dropout(raw)  # the trainer's disable_dropout=True: every other dropout (`_setup_padded_forward`)
     base = copy.deepcopy(raw)
-    zero_attention_dropout(base)  # the reference computation: no dropout at all
     off = run_cell(base, "off")
     row = {"alone": differences(off, alone(base))}
     for mode in modes:
         model = copy.deepcopy(raw)
-        zeroed = attention_dropout(model)
         used, reason = prepare_packing(mode, causal_lm(model), disable_dropout=True)
         if used == "shared_prefix" and router_loss_model(model):  # as RLLossGRPOTrainer._setup_packing
             used, reason = "padding_free", "the MoE router loss counts every row's prompt tokens, as TRL's"
@@ -390,6 +448,13 @@ LOGP_ATOL = 2**10 * torch.finfo(torch.float32).eps
 # A gradient adds one more reduction, over the ≤ 12 completion tokens, and is compared relative to each parameter's
 # largest gradient (small entries of order ε·scale can flip sign): the same bound times 2^4 (12 tokens, rounded up).
 GRAD_RTOL = 2**14 * torch.finfo(torch.float32).eps
+# A parameter whose exact gradient is 0 holds only round-off: a key projection's bias (OPT, BioGPT, XGLM: adding a
+# constant to every key of a query's row leaves its softmax unchanged), a router weight whose normalized weights are
+# constant. Its entries are sums of terms of the order of the model's other gradients, so their round-off is of order
+# ε times those; relative to the parameter's own largest (round-off) entry it is anything. Such a parameter is
+# compared relative to 2^-20 of the model's largest gradient: an absolute tolerance of GRAD_RTOL · 2^-20 = 2^-29
+# of that gradient, still about 2^10 ε of it.
+GRAD_FLOOR = 2.0**-20
 # The router loss: a sum over experts of (fraction routed) × (mean probability), means over ≤ 20 tokens of softmaxes
 # over 4 experts; relative error ≤ (20 + 4) ε per mean, 2^6 ε for both with room.
 AUX_RTOL = 2**6 * torch.finfo(torch.float32).eps

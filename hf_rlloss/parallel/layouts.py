@@ -18,7 +18,14 @@ which consult it; the trainers consult it through them and directly (`resolve_pa
 `layer_types`, its modules' classes, flags that change what attention means) and returns the layouts exact for it
 with the reason for the others; `resolve_packing` picks the layout a requested packing falls back to.
 `attention_dropout` and `zero_attention_dropout` handle the one runtime setting that makes a packed row inexact:
-attention dropout, under any of the names transformers' models give it.
+attention dropout, under any of the names transformers' models give it. `dropout_settings` and `zero_dropout` find
+and zero every other dropout a model applies in training (functional `F.dropout` with a float probability,
+`layerdrop`), which TRL's `disable_dropout` (it sets `nn.Dropout.p`) leaves on.
+
+The padded batch (`"off"`) left-pads each prompt. A layer that reads the row from its first position (a state
+carried along the row, a convolution, windows of absolute positions) sees that padding unless it masks it, and
+some do not (RWKV, RecurrentGemma, Inkling's short convolutions, DeepSeek-V4's compressor); `ModelLayouts.row_start`
+says that the padded forward must start each sequence at position 0 (the trainer right-aligns its rows).
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ __all__ = [
     "ModelLayouts",
     "attention_dropout",
     "check_sequence_parallel",
+    "dropout_settings",
     "switch_attention",
     "model_layouts",
     "resolve_packing",
     "zero_attention_dropout",
+    "zero_dropout",
 ]
 
 # Every layout, from the most rearranged to the least; "sequence_parallel" is a packed row split over ranks.
@@ -49,10 +58,13 @@ _OFF = frozenset({"off"})
 
 @dataclasses.dataclass(frozen=True)
 class MixerRule:
-    """The layouts exact for one kind of token mixer, and why the others are not."""
+    """The layouts exact for one kind of token mixer, and why the others are not; `row_start`: the mixer reads the
+    row from its first position (a state, a convolution, windows of absolute positions), so a left-padded row is not
+    exact unless each sequence starts at position 0."""
 
     exact: frozenset[str]
     why: str = ""
+    row_start: bool = False
 
 
 _STATE = (
@@ -65,7 +77,14 @@ MIXER_RULES: dict[str, MixerRule] = {
     "sliding_attention": MixerRule(
         _PACKED - {"sequence_parallel"}, "sliding windows, which the Ulysses attention does not take"
     ),
-    "chunked_attention": MixerRule(_OFF, "attends within fixed chunks of absolute positions (no tree attention)"),
+    "chunked_attention": MixerRule(
+        _OFF, "attends within fixed chunks of absolute positions (no tree attention)", row_start=True
+    ),
+    "compressed_attention": MixerRule(
+        _OFF,
+        "compresses the keys over windows of absolute positions (a packed row would pool two sequences)",
+        row_start=True,
+    ),
     "bidirectional_attention": MixerRule(_OFF, "attends to later tokens (not causal)"),
     "alibi_attention": MixerRule(_OFF, "adds ALiBi biases the tree attention does not compute"),
     "opaque_attention": MixerRule(
@@ -74,11 +93,21 @@ MIXER_RULES: dict[str, MixerRule] = {
     "layout_not_passed": MixerRule(
         _OFF, "its layers do not pass the packed row's layout (the attention's keyword arguments) on to the attention"
     ),
-    "linear_attention": MixerRule(_OFF, "linear attention " + _STATE),
-    "state_space": MixerRule(_OFF, "a state-space (Mamba) layer " + _STATE),
-    "convolution": MixerRule(_OFF, "a causal convolution " + _STATE),
-    "recurrent": MixerRule(_OFF, "a recurrent layer " + _STATE),
-    "unknown": MixerRule(_OFF, "a layer type this table does not know"),
+    "attention_bias": MixerRule(
+        _OFF,
+        "it adds a learned bias to the attention scores through the attention mask, which the tree attention does "
+        "not take",
+    ),
+    "attention_output_view": MixerRule(
+        _OFF,
+        "its attention `.view`s the attention's output, which the tree attention returns non-contiguous (the packed "
+        "forward would raise)",
+    ),
+    "linear_attention": MixerRule(_OFF, "linear attention " + _STATE, row_start=True),
+    "state_space": MixerRule(_OFF, "a state-space (Mamba) layer " + _STATE, row_start=True),
+    "convolution": MixerRule(_OFF, "a causal convolution " + _STATE, row_start=True),
+    "recurrent": MixerRule(_OFF, "a recurrent layer " + _STATE, row_start=True),
+    "unknown": MixerRule(_OFF, "a layer type this table does not know", row_start=True),
 }
 
 # `config.layer_types` values -> kind of mixer (anything else is "unknown": padded, never guessed).
@@ -92,6 +121,8 @@ _LAYER_TYPES = {
     "mamba": "state_space",
     "conv": "convolution",
     "recurrent": "recurrent",
+    "compressed_sparse_attention": "compressed_attention",
+    "heavily_compressed_attention": "compressed_attention",
 }
 # Families whose modeling code defeats a packed row in a way neither the config nor the module classes show, found
 # by the architecture matrix (tests/test_architectures.py); model_type -> (kind, what it does).
@@ -99,6 +130,10 @@ _FAMILY_MIXERS = {
     "falcon": ("layout_not_passed", "FalconModel calls its decoder layers without **kwargs"),
     "nemotron": ("layout_not_passed", "NemotronDecoderLayer calls its attention without **kwargs"),
     "stablelm": ("layout_not_passed", "StableLmDecoderLayer calls its attention without **kwargs"),
+    "doge": ("attention_bias", "DogeAttention.prepare_dynamic_mask: exp(A · softplus(dt_proj(v))) per key"),
+    "afmoe": ("attention_output_view", "AfmoeAttention: output.view(*input_shape, -1)"),
+    "dory": ("attention_output_view", "DoryAttention: output.view(*input_shape, -1)"),
+    "jetmoe": ("attention_output_view", "JetMoeAttention: attn_output.view(*input_shape, self.top_k, -1)"),
 }
 # Module classes (by name) that carry a state along the sequence -> kind; `nn.Conv1d` in the backbone is a convolution.
 _STATEFUL_CLASSES = (
@@ -160,6 +195,12 @@ class ModelLayouts:
 
     def allows(self, layout: str) -> bool:
         return layout in self.exact
+
+    @property
+    def row_start(self) -> dict[str, str]:
+        """The mixers that read the row from its first position (`MixerRule.row_start`) -> where they were found:
+        the padded forward is exact for such a model only with each sequence starting at position 0."""
+        return {kind: where for kind, where in self.mixers.items() if MIXER_RULES[kind].row_start}
 
 
 def model_layouts(model: nn.Module) -> ModelLayouts:
@@ -272,4 +313,65 @@ def zero_attention_dropout(model: nn.Module) -> dict[str, float]:
             value.p = 0.0
         else:
             setattr(module, attr, 0.0)
+    return found
+
+
+# Every other dropout a model applies in training, under the names transformers' models give it: a float on a module
+# passed to `F.dropout(..., training=self.training)` (OPT's `dropout`, `activation_dropout`; Seed-OSS's
+# `residual_dropout`), a layer-skipping probability (`layerdrop`), or a config field read in the forward.
+_DROPOUT_NAME = re.compile(r"drop")
+
+
+def _dropout_value(value) -> float | None:
+    """The probability a dropout attribute holds (a float, or an `nn.Dropout`'s `p`), `None` when not one."""
+    p = value.p if isinstance(value, nn.Dropout) else value
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1:
+        return float(p)
+    return None
+
+
+def dropout_settings(model: nn.Module) -> dict[str, float]:
+    """Every non-zero dropout probability of a model: `{where: p}` over its text config's fields and its modules'
+    attributes whose name holds `drop` (`"config.layerdrop"`, `"model.decoder.layers.0.activation_dropout"`,
+    `"model.decoder.layers.0.self_attn.dropout"`, ...); `nn.Dropout` modules themselves are TRL's `disable_dropout`'s
+    and not listed."""
+    found = {}
+    text_config = model.config.get_text_config()
+    for field, value in vars(text_config).items():
+        p = _dropout_value(value) if _DROPOUT_NAME.search(field) else None
+        if p is not None:
+            found[f"config.{field}"] = p
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            continue
+        for attr, value in vars(module).items():
+            p = _dropout_value(value) if _DROPOUT_NAME.search(attr) and not attr.startswith("_") else None
+            if p is not None:
+                found[f"{path}.{attr}" if path else attr] = p
+        for attr, value in module._modules.items():  # an nn.Dropout child: its p
+            if isinstance(value, nn.Dropout) and value.p > 0:
+                found[f"{path}.{attr}" if path else attr] = float(value.p)
+    return found
+
+
+def zero_dropout(model: nn.Module) -> dict[str, float]:
+    """Set every dropout probability of `model` to 0 (`dropout_settings`: the floats and config fields TRL's
+    `disable_dropout` leaves, the `nn.Dropout` modules it zeroes, and the attention dropouts of
+    `zero_attention_dropout`); returns what was zeroed."""
+    found = {**zero_attention_dropout(model), **dropout_settings(model)}
+    text_config = model.config.get_text_config()
+    modules = dict(model.named_modules())
+    for where in found:
+        path, _, attr = where.rpartition(".")
+        if path == "config":
+            setattr(text_config, attr, 0.0)
+            if model.config is not text_config and hasattr(model.config, attr):
+                setattr(model.config, attr, 0.0)
+            continue
+        owner = modules[path]
+        value = getattr(owner, attr)
+        if isinstance(value, nn.Dropout):
+            value.p = 0.0
+        else:
+            setattr(owner, attr, 0.0)
     return found

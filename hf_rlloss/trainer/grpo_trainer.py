@@ -22,6 +22,7 @@ from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.fields import FROM_TRL
 from ..loss.metrics import finalize_step_metrics
+from ..parallel.layouts import model_layouts, zero_dropout
 from ..parallel.packed_attention import use_packed_attention
 from ..parallel.ulysses import ulysses_sequence_parallel, use_ulysses_attention
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
@@ -235,6 +236,7 @@ class RLLossGRPOTrainer(
         self._rl_micro_batch: int | None = None  # index in the optimizer step of the context being built
         self.sp_mesh = None
         self._setup_old_logprobs()
+        self._setup_padded_forward(args, self._causal_lm(unwrapped))
         if args.sp_size > 1:
             self._setup_sequence_parallel(unwrapped)
         self._setup_packing(args, unwrapped)
@@ -265,6 +267,20 @@ class RLLossGRPOTrainer(
         if self._packing != "off":
             use_packed_attention(causal_lm(source))
         return prepare_reference(source, self)
+
+    def _setup_padded_forward(self, args: RLLossGRPOConfig, lm: nn.Module) -> None:
+        """What makes the padded forward exact for `lm`, before any layout is chosen. With `disable_dropout=True`
+        every dropout probability is zeroed (`zero_dropout`: the functional dropouts and `layerdrop` TRL's
+        `disable_dropout` leaves, logged). `self._row_aligned`: the padded forward starts each sequence at position 0
+        (`right_aligned`), for a model whose layers read the row from its start (`ModelLayouts.row_start`)."""
+        if getattr(args, "disable_dropout", False):
+            zeroed = ", ".join(f"{where}={p}" for where, p in zero_dropout(lm).items())
+            if zeroed:
+                logger.warning(f"disable_dropout=True: dropout zeroed ({zeroed})")
+        row_start = model_layouts(lm).row_start
+        self._row_aligned = bool(row_start) and not self._is_vlm
+        if self._row_aligned:
+            logger.info(f"padded forwards right-aligned: each sequence from position 0 ({', '.join(row_start)})")
 
     def _setup_packing(self, args: RLLossGRPOConfig, unwrapped: nn.Module) -> None:
         """`self._packing`, the layout of the training forwards (`args.packing` unless it cannot be exact for this

@@ -8,7 +8,10 @@ extension points for models with an unusual layout (`compute_hidden_states`, `ge
 inside the wrapped model's forward (`_call_through_wrapper`), so that DDP/FSDP/DeepSpeed hooks fire. Outside sequence
 parallelism every forward goes through `_completion_hidden_states`, which lays the batch out as
 `RLLossGRPOConfig.packing` says (one packed row, or the padded batch; `packing.py`) and returns the `(B, C, H)`
-completion-aligned hidden states the loss and the chunked head take either way.
+completion-aligned hidden states the loss and the chunked head take either way. The padded batch of a model whose
+layers read the row from its first position (`ModelLayouts.row_start`: a state, a convolution, a compressor) is
+forwarded right-aligned (`_row_aligned`, `right_aligned`): each row rolled left by its prompt's padding, so that its
+sequence starts at position 0 as it would alone, and the hidden states rolled back.
 
 `LossLayerForwards` is a mixin: it reads the trainer's `accelerator`, `args`, `model`, `ref_model`,
 `rl_loss_config`, `sp_mesh`, `_loss_temperature`, `_tokenizer`, `_forward_redirection` and TRL's metric lists.
@@ -35,7 +38,7 @@ from .packing import PackedLayout, build_layout, layout_fallback_reason, pack_pa
 from .routing_replay import get_batch_routes, routed_forward, set_batch_routes
 from .sp_batch import SPMicroBatch
 
-__all__ = ["LossLayerForwards", "prompt_and_completion"]
+__all__ = ["LossLayerForwards", "prompt_and_completion", "right_aligned"]
 
 logger = logging.get_logger(__name__)
 
@@ -45,6 +48,24 @@ def prompt_and_completion(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Te
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     return input_ids, attention_mask
+
+
+def right_aligned(batch: dict[str, Any], *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`(B, P + C)` rows of a batch (its `prompt_and_completion` ids and mask, or `(B, P + C, H)` states) with each
+    row rolled left by its prompt's left padding: the sequence from position 0, the padding after its completion
+    (`_roll_rows(batch, row, -1)` rolls a row back)."""
+    return tuple(_roll_rows(batch, row, 1) for row in rows)
+
+
+def _roll_rows(batch: dict[str, Any], row: torch.Tensor, direction: int) -> torch.Tensor:
+    """Roll each row of `row` (dim 1) left (`direction=1`) or back right (`-1`) by its prompt's left padding."""
+    prompt_mask = batch["prompt_mask"]
+    padding = prompt_mask.size(1) - prompt_mask.sum(dim=1)  # (B,) TRL left-pads each prompt
+    length = row.size(1)
+    index = (torch.arange(length, device=row.device).unsqueeze(0) + direction * padding.unsqueeze(1)) % length
+    if row.dim() == 3:
+        index = index.unsqueeze(-1).expand(-1, -1, row.size(-1))
+    return row.gather(1, index.to(row.device))
 
 
 def _padded_tokens(batch: dict[str, Any]) -> int:
@@ -57,6 +78,7 @@ class LossLayerForwards:
 
     _causal_lm = staticmethod(causal_lm)
     _packing = "off"  # the layout of the training forwards (`RLLossGRPOConfig.packing`, as the trainer resolves it)
+    _row_aligned = False  # the padded forward right-aligned (a model whose layers read the row from its start)
     _routing = None  # MoE routing replay's hooks (`routing_replay.RoutingReplay`), when `routing_replay` is on
     _routing_mode = "off"
 
@@ -186,11 +208,16 @@ class LossLayerForwards:
         layout = build_layout(mode, prompt_ids, prompt_mask, completion_ids, completion_mask, output_router_logits)
         if layout is None:
             input_ids, attention_mask = prompt_and_completion(batch)
+            aligned = self._row_aligned and not vision
+            if aligned:  # each sequence from position 0, as alone (`right_aligned`)
+                input_ids, attention_mask = right_aligned(batch, input_ids, attention_mask)
             with routed_forward(self._routing, batch, None, count=count):
                 out = self.compute_hidden_states(
                     unwrapped, input_ids, attention_mask, output_router_logits=output_router_logits, multimodal=vision
                 )
             hidden, router_logits = out if output_router_logits else (out, None)
+            if aligned:
+                hidden = _roll_rows(batch, hidden, -1)
             length = completion_ids.size(1)
             return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
         with packed_forward(), routed_forward(self._routing, batch, layout, count=count):
@@ -222,7 +249,10 @@ class LossLayerForwards:
             unwrapped, inputs, output_router_logits=True, count=True
         )
         lm = self._causal_lm(unwrapped)
-        aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, mask)
+        if router_logits:
+            aux_loss = load_balancing_loss_func(lm)(router_logits, lm.num_experts, lm.num_experts_per_tok, mask)
+        else:  # no MoE layer recorded a router (a dense Doge, MoE layers switched off): no load to balance
+            aux_loss = hidden.new_zeros(())
         loss, metrics = self._head_loss(unwrapped, hidden, ctx)
         metrics = {**metrics, **packing_metrics(_padded_tokens(inputs), forwarded, loss.device)}
         return loss, {**metrics, **self._routing_loss_metrics(loss.device)}, aux_loss

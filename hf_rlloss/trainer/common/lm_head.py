@@ -62,6 +62,8 @@ def logit_scale(text_config: Any) -> float:
     if scale is None and getattr(text_config, "logits_scaling", None) is not None:
         scaling = text_config.logits_scaling
         scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    if scale is None and getattr(text_config, "logits_mup_width_multiplier", None) is not None:  # Inkling
+        scale = 1 / text_config.logits_mup_width_multiplier
     return 1.0 if scale is None else float(scale)
 
 
@@ -89,8 +91,19 @@ def active_head(head: nn.Module) -> nn.Module:
     return head.modules_to_save[active[0]]
 
 
+# Families whose forward is not a causal LM's over a padded batch, by model_type -> why.
+_REFUSED_FAMILIES = {
+    "cpmant": (
+        "CpmAntModel marks every input token as context (context=1), so each token attends to the tokens after it "
+        "(the token it predicts included), and it counts a row's padding as its leading tokens (length = number of "
+        "non-zero ids), so right-padded completions are mis-masked"
+    ),
+}
+
+
 def check_model_supported(model: nn.Module, logit_softcapping: float | None) -> None:
-    """Refuse a model whose logits the loss layer's chunked head would not reproduce.
+    """Refuse a model whose logits the loss layer's chunked head would not reproduce, or whose forward is not a
+    causal LM's (`_REFUSED_FAMILIES`, by name).
 
     Args:
         model (`nn.Module`): the policy or the reference (a PEFT model is read through its base model).
@@ -100,6 +113,9 @@ def check_model_supported(model: nn.Module, logit_softcapping: float | None) -> 
     lm = causal_lm(model)
     name = type(lm).__name__
     text_config = lm.config.get_text_config()
+    refusal = _REFUSED_FAMILIES.get(getattr(text_config, "model_type", None))
+    if refusal is not None:
+        raise ValueError(f"{name} ({text_config.model_type}) cannot be trained as a causal LM policy: {refusal}")
     softcap = getattr(text_config, "final_logit_softcapping", None)
     if softcap != logit_softcapping:
         raise ValueError(
@@ -122,6 +138,12 @@ def check_model_supported(model: nn.Module, logit_softcapping: float | None) -> 
         raise ValueError(f"{name}'s output embedding is {type(head).__name__}, not a plain nn.Linear LM head")
     if head.bias is not None:
         raise ValueError(f"{name}'s LM head has a bias, which the loss layer does not add")
+    extra = [param for param, _ in head.named_parameters() if param != "weight"]
+    if extra:  # Dory's learned per-token `logit_scale`: the chunked head would neither apply nor train it
+        raise ValueError(
+            f"{name}'s LM head ({type(head).__name__}) has parameters besides its weight ({', '.join(extra)}), which "
+            "the loss layer's chunked head neither applies nor trains"
+        )
 
 
 def head_logprobs(

@@ -529,6 +529,12 @@ class RoutingReplayTrainer:
         self._routing_captured: torch.Tensor | None = None
         if self._routing_mode == "off":
             return
+        if getattr(self, "_row_aligned", False):
+            raise ValueError(
+                f"routing_replay={self._routing_mode!r}: {type(self._causal_lm(unwrapped)).__name__}'s layers read "
+                "each row from its first position, so its padded forwards are right-aligned, and the routes are "
+                "recorded left-padded: use routing_replay='off'"
+            )
         if self._routing_mode == "rollout" and self.rollout_func is not None:
             raise ValueError(
                 "routing_replay='rollout' records the experts chosen during HF generate; a rollout_func returns no "
