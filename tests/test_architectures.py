@@ -498,8 +498,6 @@ FULL_MATRIX_REFUSED = {
 }
 # Families of the full matrix whose layers fall back to `off` for a reason the docs name, and a word of it.
 FULL_MATRIX_FALLBACK = {
-    "afmoe": "non-contiguous",
-    "jetmoe": "non-contiguous",
     "doge": "through the attention mask",
     "deepseek_v4": "compresses the keys",
     "deepseek_v4_compressed": "compresses the keys",

@@ -98,11 +98,6 @@ MIXER_RULES: dict[str, MixerRule] = {
         "it adds a learned bias to the attention scores through the attention mask, which the tree attention does "
         "not take",
     ),
-    "attention_output_view": MixerRule(
-        _OFF,
-        "its attention `.view`s the attention's output, which the tree attention returns non-contiguous (the packed "
-        "forward would raise)",
-    ),
     "linear_attention": MixerRule(_OFF, "linear attention " + _STATE, row_start=True),
     "state_space": MixerRule(_OFF, "a state-space (Mamba) layer " + _STATE, row_start=True),
     "convolution": MixerRule(_OFF, "a causal convolution " + _STATE, row_start=True),
@@ -131,9 +126,6 @@ _FAMILY_MIXERS = {
     "nemotron": ("layout_not_passed", "NemotronDecoderLayer calls its attention without **kwargs"),
     "stablelm": ("layout_not_passed", "StableLmDecoderLayer calls its attention without **kwargs"),
     "doge": ("attention_bias", "DogeAttention.prepare_dynamic_mask: exp(A · softplus(dt_proj(v))) per key"),
-    "afmoe": ("attention_output_view", "AfmoeAttention: output.view(*input_shape, -1)"),
-    "dory": ("attention_output_view", "DoryAttention: output.view(*input_shape, -1)"),
-    "jetmoe": ("attention_output_view", "JetMoeAttention: attn_output.view(*input_shape, self.top_k, -1)"),
 }
 # Module classes (by name) that carry a state along the sequence -> kind; `nn.Conv1d` in the backbone is a convolution.
 _STATEFUL_CLASSES = (

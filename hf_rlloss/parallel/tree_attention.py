@@ -180,7 +180,8 @@ def tree_attention_forward(
         query[0], key[0], value[0], tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k, scaling, sliding_window,
         softcap, s_aux,
     )  # fmt: skip
-    return out.transpose(0, 1).unsqueeze(0), None
+    # contiguous, as transformers' own attention functions return it: some layers `.view` the output (AFMoE, JetMoE)
+    return out.transpose(0, 1).contiguous().unsqueeze(0), None
 
 
 def register_tree_attention(name: str = TREE_SDPA_ATTENTION) -> str:
