@@ -110,3 +110,34 @@ DIST_RL_LOSS = {
     "kl_loss_coef": 0.05,
     "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.5},
 }
+
+
+def shared_locks(*objects) -> list:
+    """The shared (inter-process) locks `objects` expose, and those of their attributes: a synchronized `Value`'s
+    (`get_lock`), an `Event`'s (its condition's), a `Lock` or `RLock` itself. (Semaphores are not held by a process:
+    skipped.) What a worker may hold at the instant it is killed while it uses these objects."""
+    from multiprocessing import synchronize
+
+    found = []
+    for obj in objects:
+        for value in [obj, *getattr(obj, "__dict__", {}).values()]:
+            if hasattr(value, "get_lock"):
+                found.append(value.get_lock())
+            elif isinstance(value, synchronize.Event):
+                found.append(value._cond)
+            elif isinstance(value, (synchronize.Lock, synchronize.RLock)):
+                found.append(value)
+    return found
+
+
+def die_holding_locks(*objects, before=None) -> None:
+    """In a rollout worker's process: run `before` (its work so far), take every shared lock of `objects`
+    (`shared_locks`), then SIGKILL the process: a worker killed inside each of their critical sections."""
+    import os
+    import signal
+
+    if before is not None:
+        before()
+    for lock in shared_locks(*objects):
+        lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -434,10 +434,13 @@ def _completion_tokens(samples, groups) -> int:
     return sum(int(s.completion_mask.sum()) for s in samples if s.group_id in groups)
 
 
-def test_a_sample_stale_when_trained_is_dropped(policy, tok, tmp_path):
-    """max_staleness=1, two groups per step. Step 2's first group (version 0) is pulled during step 1, at version 1
-    (lag 1: TRL's filter keeps it) but trained at version 2 (lag 2): it is dropped from the loss, counted in
-    `async/dropped_stale_frac`, and the trained lags logged are those at training (0 here)."""
+def test_a_sample_stale_when_trained_is_dropped_when_pulled(policy, tok, tmp_path):
+    """max_staleness=1, two groups per step. Step 2's first group (version 0) is pulled during step 1, at version 1,
+    as the dataloader's prefetch, and would be trained at version 2 (lag 2). One rule, applied once: the pull compares
+    with the version the sample will be trained at, so it is dropped when pulled and the next group takes its place
+    (step 2 trains two groups; a filter comparing with the version at pull keeps it, and the trainer then drops it
+    from the loss of a half-empty step). Counted in `async/dropped_stale_frac`; the lags logged are those at training
+    (0 here; the groups tagged newer than the trainer have negative lags)."""
     samples = _tagged([1, 1, 0, 2, 3, 3, -1, 4, 4, 4])
     options = {**ASYNC_ARGS, **SGD, "per_device_train_batch_size": 8, "max_staleness": 1}
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **options)
@@ -446,13 +449,14 @@ def test_a_sample_stale_when_trained_is_dropped(policy, tok, tmp_path):
     assert len(logs) == 3
     assert [log["train_policy/valid_tokens"] for log in logs] == [
         _completion_tokens(samples, {0, 1}),
-        _completion_tokens(samples, {3}),  # group 2 left out
-        _completion_tokens(samples, {4, 5}),
+        _completion_tokens(samples, {3, 4}),  # group 2 dropped when pulled, group 4 in its place
+        _completion_tokens(samples, {5, 7}),  # group 6 (lag 4) dropped when pulled
     ]
     assert all(log["async/version_lag_max"] == 0.0 for log in logs)
-    assert logs[0]["async/dropped_stale_frac"] == 0.0
-    assert logs[1]["async/dropped_stale_frac"] > 0.0  # the group dropped at training
-    assert logs[2]["async/dropped_stale_frac"] > 0.0  # group 6: lag 4 when pulled, dropped by TRL's filter
+    assert logs[0]["async/dropped_stale_frac"] > 0.0  # group 2, pulled during step 1
+    assert logs[1]["async/dropped_stale_frac"] > 0.0  # group 6, pulled during step 2
+    assert logs[2]["async/dropped_stale_frac"] == 0.0
+    assert [log["async/skipped_empty_steps_total"] for log in logs] == [0.0, 0.0, 0.0]
 
 
 def test_mini_batches_make_the_clip_bind(policy, tok, tmp_path):

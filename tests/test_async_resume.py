@@ -3,7 +3,8 @@
 * With `fixed_lag` the policy version of each batch is a function of its index, so a run is repeatable: interrupted
   at a checkpoint and resumed, it trains bit-exactly the parameters of the uninterrupted run, from the same samples
   (prompts, completions, log-probs, versions).
-* Without it, the resumed worker still starts at the first untrained prompt, and the version counter goes on.
+* Without it, the resumed worker still starts at the first untrained prompt, and the version counter goes on exactly
+  (the resumed run ends at the uninterrupted run's version).
 
 The worker's loop runs in a thread of the test's process (`ThreadedWorker`: the same loop, channels and weight
 transfer as the spawned process, without a Python start-up per run).
@@ -141,10 +142,13 @@ def _step_logs(trainer):
 
 
 def test_resume_without_fixed_lag_restores_the_position_and_the_version(policy, tok, tmp_path):
-    """The worker sampling from the newest weights: the resumed worker serves the prompts from the first untrained
-    one, and its samples continue the version counter (the cold sync of the checkpoint's weights is version 4)."""
-    _train(policy, tok, tmp_path / "first", 2, fixed_lag=None)
-    checkpoint = tmp_path / "first" / "checkpoint-2"
+    """The worker sampling from the newest weights (which version samples what depends on timing): 4 steps
+    uninterrupted (checkpoints at 2 and 4) and 2 steps resumed from checkpoint-2. The resumed worker serves the
+    prompts from the first untrained one; the cold sync sends the checkpoint's weights as the version they are (3,
+    the saved counter), not as a new one, so the resumed run's version counter ends where the uninterrupted run's
+    does (an initial sync counted again would end one version ahead)."""
+    full, _, _ = _train(policy, tok, tmp_path / "full", 4, fixed_lag=None)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
     state = json.loads((checkpoint / "rollout_state.json").read_text())
     assert state == {"prompt_index": 2, "model_version": 3}
     resumed, _, pulled = _train(policy, tok, tmp_path / "resumed", 4, fixed_lag=None, resume=str(checkpoint))
@@ -152,7 +156,8 @@ def test_resume_without_fixed_lag_restores_the_position_and_the_version(policy, 
     groups = [s[0] for s in pulled[::4]]
     assert len(groups) >= 2 and groups == list(range(2, 2 + len(groups)))
     assert [s[1] for s in pulled[::4]] == make_dataset()["prompt"][2 : 2 + len(groups)]
-    assert min(s[2] for s in pulled) == 4 and resumed.model_version == 6
+    assert min(s[2] for s in pulled) == state["model_version"]  # the checkpoint's weights, under their version
+    assert resumed.model_version == full.model_version == 1 + 4  # the cold sync and one sync per step
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,14 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             recorded during its HF `generate`, shipped with each sample (a token shared by several samples of a
             row replays the first one's); `"old_policy"` replays in the loss forward the experts of the row's π_old
             pass (not with `behavior_as_old_policy`, which has no such pass). See docs/routing_replay.md.
+        max_consecutive_empty_steps (`int`, *optional*, defaults to `8`):
+            Liveness bound. An optimizer step with no trained token (every sample too stale when trained, or every
+            completion empty) is skipped (no optimizer step, counted in `async/skipped_empty_steps_total`); this many
+            such steps in a row stop training with `NoTrainableSamplesError`, and so do `queue_maxsize` + this many
+            steps' worth of consecutive samples dropped as too stale when pulled. A run that can only drop samples
+            (a rollout worker further behind than `max_staleness`, a policy that only emits EOS) then fails in
+            seconds instead of spinning for ever; the queue's content plus 8 steps is more than a pause (a
+            checkpoint, an evaluation) makes stale in a healthy run, where an empty step is rare and isolated.
 
     The validated loss configuration is `config.rl_loss_config`.
     """
@@ -148,6 +156,14 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             "second step on the PPO clip binds."
         },
     )
+    max_consecutive_empty_steps: int = field(
+        default=8,
+        metadata={
+            "help": "Stop with NoTrainableSamplesError after this many consecutive optimizer steps without a trained "
+            "token (all samples too stale, or all completions empty), or queue_maxsize + this many steps' worth of "
+            "consecutive samples dropped as too stale."
+        },
+    )
     allow_uncorrected_staleness: bool = field(
         default=False,
         metadata={
@@ -170,6 +186,12 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             or (self.num_mini_batches < 1)
         ):
             raise ValueError(f"num_mini_batches={self.num_mini_batches!r} must be an integer >= 1")
+        steps = self.max_consecutive_empty_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(
+                f"max_consecutive_empty_steps={steps!r} must be an integer >= 1: the consecutive optimizer steps "
+                "without a trained token after which training stops"
+            )
         if self.tree_attention not in TREE_ATTENTION_BACKENDS:
             allowed = ", ".join(TREE_ATTENTION_BACKENDS)
             raise ValueError(f"tree_attention={self.tree_attention!r} must be one of {allowed}")

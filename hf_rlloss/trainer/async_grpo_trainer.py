@@ -15,9 +15,11 @@ loss of an optimizer step (see docs/async.md):
   and projects the backbone's hidden states at `token_index` through the LM head in chunks (no `(tokens, vocab)`
   logits).
 * **Staleness when trained.** `max_staleness` bounds the lag a sample has when it is trained (the dataloader's
-  prefetch adds a version to the lag TRL's filter sees when it pulls the sample); staler samples are taken out of the
-  loss in `get_batch_samples`. `num_mini_batches` trains a batch in several optimizer steps against one π_old
-  (AReaL's mini-batches), so that the PPO clip binds.
+  prefetch adds a version to the lag at pull): TRL's filter is given the version the sample's micro-batch will be
+  trained at (`_version_at_pull`), and `get_batch_samples` checks again with the same comparison. A step with no
+  trained token takes no optimizer step (`async/skipped_empty_steps_total`); `max_consecutive_empty_steps` of them,
+  or as many steps' worth of samples too stale, stop training (`NoTrainableSamplesError`). `num_mini_batches` trains
+  a batch in several optimizer steps against one π_old (AReaL's mini-batches), so that the PPO clip binds.
 * **Resume** with hf_rlloss' rollout workers: the prompt position and the policy version counter are saved in the
   checkpoint and restored before the worker starts (`async_/resume.py`; TRL restores them for its own worker only).
 * **Metrics**: the loss layer's (`train_policy/*`, `mismatch/*`, `rollout_is/*`), plus `async/version_lag_mean`,
@@ -40,10 +42,16 @@ from typing import Any
 import torch
 import trl.experimental.async_grpo.async_grpo_trainer as trl_async
 from torch import nn
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
-from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, RolloutQueueDataset
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+    TokenBudgetBatcher,
+)
 from trl.experimental.async_grpo.packing import TREE_ATTENTION
 from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import use_adapter
@@ -54,6 +62,7 @@ from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from ..parallel.layouts import model_layouts, switch_attention, zero_attention_dropout
 from ..parallel.tree_attention import register_tree_attention
 from .async_ import resume as rollout_resume
+from .async_.cpu_rollout import check_weight_lag
 from .async_.routing import AsyncRoutingReplay, collate_routes
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
@@ -71,6 +80,7 @@ from .common.rollout_recording import replay_warpers
 logger = logging.get_logger(__name__)
 
 __all__ = [
+    "NoTrainableSamplesError",
     "PackedRow",
     "RLLossAsyncGRPOConfig",
     "RLLossAsyncGRPOTrainer",
@@ -212,15 +222,33 @@ def packed_row(inputs: dict[str, torch.Tensor]) -> PackedRow:
     )
 
 
-class _CountingQueue:
-    """The rollout queue, counting the samples taken from it and keeping the last one (for `_VersionedDataset`)."""
+class NoTrainableSamplesError(RuntimeError):
+    """Training cannot progress: too many consecutive samples too stale to train, or consecutive optimizer steps with
+    no trained token (`RLLossAsyncGRPOConfig.max_consecutive_empty_steps`)."""
 
-    def __init__(self, queue):
+
+class _CountingQueue:
+    """The rollout queue, counting the samples taken from it and keeping the last one (for `_VersionedDataset`).
+
+    `limit`: raise `NoTrainableSamplesError` instead of taking another sample when the last `limit` taken were all
+    dropped by the staleness filter (`kept` is the count when the dataset last kept one)."""
+
+    def __init__(self, queue, limit: int | None = None, describe=None):
         self._queue = queue
         self.taken = 0
+        self.kept = 0
         self.last = None
+        self.limit = limit
+        self.describe = describe or (lambda: "")
 
     def get(self, *args, **kwargs):
+        if self.limit is not None and self.taken - self.kept >= self.limit:
+            raise NoTrainableSamplesError(
+                f"the last {self.taken - self.kept} samples taken from the rollout queue were all too stale to train "
+                f"{self.describe()}: the rollout worker samples from policies too far behind the trainer. Lower the "
+                "worker's weight_lag or queue_maxsize, raise max_staleness, or raise max_consecutive_empty_steps if "
+                "this is a transient"
+            )
         self.last = self._queue.get(*args, **kwargs)
         self.taken += 1
         return self.last
@@ -231,20 +259,96 @@ class _CountingQueue:
 
 class _VersionedDataset(RolloutQueueDataset):
     """TRL's `RolloutQueueDataset` whose items also carry their sample's `model_version`, and which logs the share of
-    the samples taken from the queue that its staleness filter dropped (`async/dropped_stale_frac`)."""
+    the samples taken from the queue that its staleness filter dropped (`async/dropped_stale_frac`).
+
+    The trainer sets `model_version_fn` to the version the micro-batch being filled (`filling`, counted by the
+    planner) will be trained at, so that TRL's filter (`version - sample.model_version > max_staleness`) is the
+    trainer's rule, applied when the sample is pulled; and `stale_limit`, the consecutive dropped samples after which
+    training stops (`NoTrainableSamplesError`)."""
+
+    filling = 0  # the index of the micro-batch the planner is filling (micro-batches emitted so far)
+    stale_limit: int | None = None
+
+    def _describe_last(self) -> str:
+        last = self.queue.last
+        if last is None:
+            return ""
+        return (
+            f"(the last sampled by policy version {last.model_version}, to be trained at version "
+            f"{self.model_version_fn()}: more than max_staleness={self.max_staleness} behind)"
+        )
 
     def __iter__(self):
-        self.queue = counting = self.queue if isinstance(self.queue, _CountingQueue) else _CountingQueue(self.queue)
+        if not isinstance(self.queue, _CountingQueue):
+            self.queue = _CountingQueue(self.queue, self.stale_limit, self._describe_last)
+        counting = self.queue
         taken = counting.taken
         for item in super().__iter__():
             dropped = counting.taken - taken - 1  # taken since the previous item, less this one
-            taken = counting.taken
+            taken = counting.kept = counting.taken
             self.metrics["async/dropped_stale_frac"].append((float(dropped), float(dropped + 1)))
             item["model_version"] = counting.last.model_version
             routes = getattr(counting.last, "routed_experts", None)  # MoE routing replay (async_/routing.py)
             if routes is not None:
                 item["routed_experts"] = routes
             yield item
+
+
+class _CountingFixedCountBatcher(FixedCountBatcher):
+    """TRL's fixed-count planner, counting the micro-batches it emits into its dataset's `filling`."""
+
+    def __iter__(self):
+        for rows in super().__iter__():
+            self.dataset.filling += 1
+            yield rows
+
+
+class _CountingTokenBudgetBatcher(TokenBudgetBatcher):
+    """TRL's token-budget planner, counting the micro-batches it emits into its dataset's `filling`. (The sample that
+    closes a micro-batch, by not fitting in it, was pulled while that one was filled and opens the next: it is judged
+    at pull against the version of the first, and again when trained, by `get_batch_samples`.)"""
+
+    def __iter__(self):
+        for rows in super().__iter__():
+            self.dataset.filling += 1
+            yield rows
+
+
+class _SkipEmptyStep(TrainerCallback):
+    """Skip the optimizer step of an optimizer step with no trained token on any rank (`_rl_empty_step`): its gradient
+    is zero, but Adam's momentum and weight decay would still move the parameters. Done as Accelerate marks a step
+    skipped for a gradient overflow, so the trainer does not step the learning-rate schedule either."""
+
+    def __init__(self, trainer: RLLossAsyncGRPOTrainer):
+        self.trainer = trainer
+        self.marked = False
+        self.replaced = None  # the optimizer's own `step` attribute while it is replaced (the LR scheduler wraps it)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        optimizer = self.trainer.optimizer
+        if self.trainer._rl_empty_step:
+            self.replaced = vars(optimizer).get("step", _CLASS_STEP)
+            optimizer.step = _no_optimizer_step  # this call only
+            optimizer._is_overflow = self.marked = True  # accelerator.optimizer_step_was_skipped: no LR step
+        elif self.marked:
+            optimizer._is_overflow = self.marked = False
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.replaced is None:
+            return
+        optimizer = self.trainer.optimizer
+        if self.replaced is _CLASS_STEP:
+            del optimizer.step
+        else:
+            optimizer.step = self.replaced
+        self.replaced = None
+
+
+_CLASS_STEP = object()  # the optimizer had no `step` of its own (its class')
+
+
+def _no_optimizer_step(closure=None) -> None:
+    return None
 
 
 @dataclass
@@ -367,7 +471,16 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
         )
         self.ref_model = self._build_reference(reference)
         self._rl_trained_groups: set[int] = set()  # the worker's group ids trained by the optimizer steps
-        self._rl_resumed_weights = False  # the worker resumes with its saved policy versions: no cold sync
+        # a resumed run's cold sync: "skip" (the worker resumes with its saved policy versions), "resend" (the
+        # checkpoint's weights, as the saved version), None (a new version)
+        self._rl_resumed_weights: str | None = None
+        self._rl_pull_plan = (0, 0, args.gradient_accumulation_steps)  # (step, first micro-batch, per step)
+        self._rl_consumed = 0
+        self._rl_empty_run = 0
+        self._rl_empty_step = False
+        if rollout_worker is not None and getattr(rollout_worker, "weight_lag", 0):
+            check_weight_lag(rollout_worker.weight_lag, args)
+        self.add_callback(_SkipEmptyStep(self))
         if self.accelerator.is_main_process:
             rollout_resume.check_fixed_lag_setup(rollout_worker, weight_transfer, args, self.accelerator.num_processes)
         reference_lm = None if self.ref_model is None else causal_lm(self.accelerator.unwrap_model(self.ref_model))
@@ -388,16 +501,50 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
 
     def get_train_dataloader(self):
         """TRL's dataloader, its dataset and collator swapped for the versioned ones (same samples, same rows)."""
-        with overridden(trl_async, RolloutQueueDataset=_VersionedDataset, DataCollatorForRollout=_VersionedCollator):
-            return super().get_train_dataloader()
+        with overridden(
+            trl_async,
+            RolloutQueueDataset=_VersionedDataset,
+            DataCollatorForRollout=_VersionedCollator,
+            FixedCountBatcher=_CountingFixedCountBatcher,
+            TokenBudgetBatcher=_CountingTokenBudgetBatcher,
+        ):
+            dataloader = super().get_train_dataloader()
+        if self.accelerator.is_main_process:
+            dataset = self._rollout_dataset
+            # TRL's staleness filter compares with the version the sample will be trained at, not the current one
+            dataset.model_version_fn = self._version_at_pull
+            per_step = (
+                self.args.per_device_train_batch_size
+                * self.args.gradient_accumulation_steps
+                * self.accelerator.num_processes
+            )
+            dataset.stale_limit = self.args.queue_maxsize + self.args.max_consecutive_empty_steps * per_step
+        return dataloader
+
+    def _version_at_pull(self) -> int:
+        """The policy version the micro-batch the planner is filling will be trained at: the `k`-th micro-batch
+        taken by the `get_batch_samples` call of step `g` (counted from 0; the call's `num_batches × num_mini_batches`
+        and then the next call's first, fetched ahead by the dataloader) is trained in step `g + k // num_batches`."""
+        step, first, per_step = self._rl_pull_plan
+        ahead = (self._rollout_dataset.filling - first) // per_step
+        every = self.args.weight_sync_steps
+        return self.model_version + (step + ahead) // every - step // every
 
     def _sync_weight(self):
         """TRL's weight sync; the policy version is also counted on the ranks other than the main process (TRL counts
-        it there only), as every rank measures the lag of the samples it trains. The cold sync of a run resumed with
-        the worker's saved policy versions (`fixed_lag`) is skipped: the worker has the last version sent."""
-        if self._rl_resumed_weights:
-            self._rl_resumed_weights = False
+        it there only), as every rank measures the lag of the samples it trains.
+
+        The cold sync of a resumed run: skipped when the worker resumes with its saved policy versions (`fixed_lag`:
+        it has the last version sent); otherwise it sends the checkpoint's weights as the version they already are
+        (the saved `model_version`, the one the last sync before the save sent), not as a new one: TRL's bump after
+        the send is compensated, so the counter continues the interrupted run's exactly."""
+        resumed, self._rl_resumed_weights = self._rl_resumed_weights, None
+        if resumed == "skip":
             return
+        if resumed == "resend":
+            self.model_version -= 1  # TRL's sync tags the weights model_version + 1, then bumps the counter to it
+            if self.accelerator.is_main_process and self.rollout_worker is not None:
+                self.rollout_worker.update_model_version(self.model_version)
         super()._sync_weight()
         if not self.accelerator.is_main_process:
             self.model_version += 1
@@ -419,7 +566,11 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
         """Before TRL's loop (whose train-begin callback syncs the weights, then starts the worker): restore the
         rollout state of the checkpoint resumed from, on every rank (the version counter) and in the worker."""
         self._rl_trained_groups = set()
-        self._rl_resumed_weights = False
+        self._rl_resumed_weights = None
+        self._rl_pull_plan = (self.state.global_step, 0, self.args.gradient_accumulation_steps)
+        self._rl_consumed = 0  # micro-batches taken from the dataloader (the planner's count, on the main process)
+        self._rl_empty_run = 0  # consecutive optimizer steps without a trained token
+        self._rl_empty_step = False
         checkpoint = kwargs.get("resume_from_checkpoint")
         worker = self.rollout_worker if self.accelerator.is_main_process else None
         if checkpoint is not None and (worker is None or rollout_resume.resumable(worker)):
@@ -427,7 +578,7 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
             if state is not None:
                 self.model_version = int(state["model_version"])
                 self._groups_before_resume = int(state["prompt_index"])
-                self._rl_resumed_weights = bool(state.get("rollout_weights"))
+                self._rl_resumed_weights = "skip" if state.get("rollout_weights") else "resend"
                 if worker is not None:
                     rollout_resume.restore_rollout(state, checkpoint, worker, self.weight_transfer)
         return super()._inner_training_loop(*args, **kwargs)
@@ -441,12 +592,21 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
 
         With `num_mini_batches` > 1 the first step of a batch takes `num_mini_batches` steps' worth of micro-batches,
         builds all their contexts with the current weights (π_old), and the next steps train the stashed rest.
-        Samples that will be more than `max_staleness` versions old when trained are taken out of the loss here
-        (`keep_samples`): the dataloader's prefetch makes the lag at training larger than the lag TRL's filter sees.
+        One staleness rule: a sample is trained only if `trained at − sampled by <= max_staleness` in policy
+        versions. TRL's filter applies it when the sample is pulled, with the version its micro-batch will be trained
+        at (`_version_at_pull`); it is checked again here (`_fresh_enough`), where the only samples it can still drop
+        are those a token-budget micro-batch pushed into the next one (see `_CountingTokenBudgetBatcher`).
+
+        An optimizer step with no trained token on any rank (every sample dropped as too stale, or every completion
+        empty) is not taken (`_SkipEmptyStep`: its zero gradient would still move the parameters through Adam's
+        momentum), and is counted in `async/skipped_empty_steps_total`; `max_consecutive_empty_steps` of them in a row
+        stop training with `NoTrainableSamplesError`.
         """
         if not self._rl_stash:
             n = self.args.num_mini_batches
+            self._rl_pull_plan = (self.state.global_step, self._rl_consumed, num_batches)
             batches, _ = super().get_batch_samples(epoch_iterator, num_batches * n, device)
+            self._rl_consumed += len(batches)
             if not batches:
                 return batches, None
             groups = [batches[i : i + num_batches] for i in range(0, len(batches), num_batches)]
@@ -455,18 +615,52 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
                 [self._fresh_enough(packed_row(batch), self._version_at(j), metrics) for batch in group]
                 for j, group in enumerate(groups)
             ]
-            for group, group_rows in zip(groups, rows):
+            tokens = self._trained_tokens(rows)
+            for group, group_rows, group_tokens in zip(groups, rows, tokens):
                 contexts = [self.build_loss_context(row, i) for i, row in enumerate(group_rows)]
                 type(contexts[0]).build_batches(contexts, grad_averaging_size=self.accelerator.num_processes)
-                self._rl_stash.append((group, contexts))
+                self._rl_stash.append((group, contexts, group_tokens, metrics["dropped"]))
             self._log_lags(metrics)
-        batches, contexts = self._rl_stash.popleft()
+        batches, contexts, tokens, dropped = self._rl_stash.popleft()
+        self._check_progress(tokens, dropped)
         for batch in batches:
             groups = batch["micro_batch_groups"][0]
             self._rl_trained_groups.update(groups[groups >= 0].tolist())
         self._rl_pending = deque(contexts)
         self._rl_step_metrics = {}
         return batches, None
+
+    def _trained_tokens(self, rows: list[list[PackedRow]]) -> list[int]:
+        """The trained tokens of each mini-batch's micro-batches, summed over the ranks."""
+        counts = torch.tensor(
+            [sum(int(row.num_tokens.sum()) for row in group) for group in rows],
+            dtype=torch.float64,
+            device=self.accelerator.device,
+        )
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        return [int(c) for c in counts.tolist()]
+
+    def _check_progress(self, tokens: int, dropped: list[tuple[float, float]]) -> None:
+        """Mark the optimizer step about to be trained empty (no trained token on any rank: `_SkipEmptyStep` skips
+        its optimizer step), count it, and stop after `max_consecutive_empty_steps` empty steps in a row."""
+        self._rl_empty_step = tokens == 0
+        self._metrics["train"]["async/skipped_empty_steps_total"].append(float(self._rl_empty_step))
+        self._rl_empty_run = self._rl_empty_run + 1 if self._rl_empty_step else 0
+        limit = self.args.max_consecutive_empty_steps
+        if self._rl_empty_run >= limit:
+            stale = sum(d for d, _ in dropped)
+            cause = (
+                f"{stale:.0f} samples of the last batch dropped as more than max_staleness={self.args.max_staleness} "
+                "versions old when trained"
+                if stale
+                else "every completion of the last batch is empty"
+            )
+            raise NoTrainableSamplesError(
+                f"{self._rl_empty_run} consecutive optimizer steps without a trained token "
+                f"(max_consecutive_empty_steps={limit}; {cause}): training makes no progress. Check the rollout "
+                "worker's completions and lag (weight_lag, queue_maxsize) against max_staleness"
+            )
 
     def _version_at(self, mini_batch: int) -> int:
         """The policy version the trainer will have when it trains mini-batch `mini_batch` of the batch taken now

@@ -10,6 +10,14 @@
   descriptor per tensor, once) and overwritten in place by each later version under a lock: only the newest weights
   are kept, so a slow worker cannot make unread messages (each with a shared copy of the model and its descriptors)
   pile up.
+* `SharedFlag`: a `multiprocessing.Event` without its lock (the worker's stop, ready and failed flags).
+
+No primitive shared with the worker has a lock the trainer can be left waiting on by a dead worker, except the
+weights' lock, which the trainer waits on with a timeout and a health check: the counters and flags are plain shared
+integers, each written by one side only (an aligned 8-byte store or load is atomic), and `Value`s are made with
+`lock=False`. A synchronized `Value` or an `Event` takes a shared lock on every read and write: a worker SIGKILLed
+while holding it (between two instructions of `heartbeat.value = ...` or `stop.is_set()`) would leave the trainer
+blocked for ever in the next read, with no health check called.
 
 Neither is shipped by multiprocessing, torch or TRL with these guarantees (reads with a deadline that survive a
 half-written message; a latest-value mailbox for tensors), hence this module.
@@ -28,12 +36,42 @@ from typing import Any
 
 import torch
 
-__all__ = ["LatestWeights", "SampleChannel"]
+__all__ = ["LatestWeights", "SampleChannel", "SharedFlag"]
 
 _HEADER = struct.Struct("!Q")  # payload length
 
 
 def _no_health_check() -> None: ...
+
+
+class SharedFlag:
+    """`multiprocessing.Event`'s `set`, `clear`, `is_set` and `wait` on one shared byte, without a lock: a process
+    killed in any of them leaves nothing locked (an `Event` takes a shared lock in each, so a worker killed while it
+    checks its stop flag blocks the trainer's `set` for ever). `wait` polls.
+
+    Args:
+        ctx: the `multiprocessing` context the other process is started with.
+    """
+
+    def __init__(self, ctx):
+        self._value = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.01) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
 
 
 class SampleChannel:
@@ -47,7 +85,10 @@ class SampleChannel:
     def __init__(self, ctx, maxsize: int = 0):
         self._reader, self._writer = ctx.Pipe(duplex=False)
         self._slots = ctx.BoundedSemaphore(maxsize) if maxsize > 0 else None
-        self._count = ctx.Value("q", 0)
+        # objects written (the writer's count) and read (the reader's): `qsize` is their difference. No lock: each
+        # count has one writer, so a writer killed anywhere leaves nothing for the reader to wait on
+        self._sent = ctx.Value("q", 0, lock=False)
+        self._received = 0
         self._buffer = bytearray()
         self.health: Callable[[], None] = _no_health_check  # raises, naming the cause, when the writer is dead
 
@@ -68,8 +109,7 @@ class SampleChannel:
         if self._slots is not None and not self._slots.acquire(timeout=timeout):
             raise queue.Full
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._count.get_lock():
-            self._count.value += 1
+        self._sent.value += 1  # this process is the only writer
         view = memoryview(_HEADER.pack(len(payload)) + payload)
         fd = self._writer.fileno()
         while view:
@@ -78,7 +118,8 @@ class SampleChannel:
     # reader side --------------------------------------------------------------------------------------------------
 
     def qsize(self) -> int:
-        return int(self._count.value)
+        """Objects written (or being written) and not read yet; never blocks."""
+        return int(self._sent.value) - self._received
 
     def get(self, timeout: float | None = None) -> Any:
         """The next object; `queue.Empty` when none arrives within `timeout` seconds. A writer that died (even in the
@@ -113,8 +154,7 @@ class SampleChannel:
             return _NOTHING
         obj = pickle.loads(bytes(self._buffer[_HEADER.size : end]))
         del self._buffer[:end]
-        with self._count.get_lock():
-            self._count.value -= 1
+        self._received += 1
         if self._slots is not None:
             self._slots.release()
         return obj
@@ -144,8 +184,9 @@ class LatestWeights:
 
     def __init__(self, ctx, lock_timeout_s: float = 1.0):
         self._handoff = ctx.Queue(maxsize=1)  # carries the shared tensors once
-        self._version = ctx.Value("q", 0)  # the newest version written (0: none)
-        self._read = ctx.Value("q", 0)  # the newest version the reader has copied
+        # no lock of their own (`lock=False`): the first is written by the trainer only, the second by the worker only
+        self._version = ctx.Value("q", 0, lock=False)  # the newest version written (0: none)
+        self._read = ctx.Value("q", 0, lock=False)  # the newest version the reader has copied
         self._lock = ctx.Lock()
         self._lock_timeout_s = lock_timeout_s
         self._state: dict[str, torch.Tensor] | None = None  # the trainer's (writer's) view

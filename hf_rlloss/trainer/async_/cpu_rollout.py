@@ -46,12 +46,25 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
-from .channel import LatestWeights, SampleChannel
+from .channel import LatestWeights, SampleChannel, SharedFlag
 from .routing import sample_routes
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["HFGenerateRolloutWorker", "QueueWeightTransfer", "VLLM_ONLY_OPTIONS", "batch_seed", "group_advantages"]
+__all__ = [
+    "HFGenerateRolloutWorker",
+    "QueueWeightTransfer",
+    "RolloutWorkerDiedError",
+    "VLLM_ONLY_OPTIONS",
+    "batch_seed",
+    "check_weight_lag",
+    "group_advantages",
+]
+
+
+class RolloutWorkerDiedError(RuntimeError):
+    """The rollout process exited (killed, crashed) or raised; the message names it, its exit code or traceback."""
+
 
 # AsyncGRPOConfig options that configure TRL's vLLM worker and mean nothing to HF `generate` in a process of its own
 VLLM_ONLY_OPTIONS = (
@@ -143,7 +156,10 @@ class HFGenerateRolloutWorker:
             sample carries its tokens' MoE routes (`routed_experts`, `async_/routing.py`).
         groups_per_batch (`int`, *optional*): prompts per `generate` call; defaults to one optimizer step's worth.
         weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
-            experiment's knob: samples then lag the trainer by at least `weight_lag` versions).
+            experiment's knob: samples then lag the trainer by at least `weight_lag` versions). A value under which
+            every sample would be too stale when trained is refused (`check_weight_lag`: at most
+            `max_staleness - 1` with one micro-batch per step, no mini-batches and a sync every step, else at most
+            `max_staleness`).
         fixed_lag (`int`, *optional*): sample batch `b` (one optimizer step's samples) from exactly the policy after
             optimizer step `b − fixed_lag` (`version_for_batch`), waiting for it if needed; the trainer's weight sync
             waits until the worker has copied the previous version, so none is skipped. Which policy samples which
@@ -178,8 +194,7 @@ class HFGenerateRolloutWorker:
                     f"generates with HF generate in its own process and does not use it: leave {name} at its "
                     f"default ({_default(name)!r})"
                 )
-        if weight_lag < 0:
-            raise ValueError(f"weight_lag={weight_lag} must be >= 0")
+        check_weight_lag(weight_lag, args)
         if fixed_lag is not None:
             _check_fixed_lag(fixed_lag, weight_lag, args)
         if not isinstance(model, str):
@@ -227,18 +242,22 @@ class HFGenerateRolloutWorker:
             routing_replay=routing_replay,
         )
         self.fixed_lag = fixed_lag
+        self.weight_lag = weight_lag  # read by RLLossAsyncGRPOTrainer (check_weight_lag with its own arguments)
         ctx = mp.get_context("spawn")
         self._ctx = ctx
         self.rollout_buffer = SampleChannel(ctx, maxsize=args.queue_maxsize)
         self.rollout_buffer.health = lambda: self._raise_if_dead()
         self.metrics_queue = ctx.Queue(maxsize=4096)
         self.weights = LatestWeights(ctx)
-        self._model_version = ctx.Value("i", 0)
-        self._stop = ctx.Event()
-        self._ready = ctx.Event()
-        self._failed = ctx.Event()
+        # Shared with the process without a lock (see async_/channel.py): each written by one side only, so a worker
+        # killed anywhere leaves nothing the trainer waits on (an Event or a synchronized Value would: their shared
+        # lock is taken on every read and write)
+        self._model_version = ctx.Value("q", 0, lock=False)
+        self._stop = SharedFlag(ctx)
+        self._ready = SharedFlag(ctx)
+        self._failed = SharedFlag(ctx)
         self._errors = ctx.Queue(maxsize=1)
-        self._heartbeat = ctx.Value("d", 0.0)
+        self._heartbeat = ctx.Value("d", 0.0, lock=False)
         self._ready_timeout = ready_timeout
         self._process = None
 
@@ -306,11 +325,11 @@ class HFGenerateRolloutWorker:
                 cause = RuntimeError(self._errors.get(timeout=5.0))  # put before the event was set
             except queue.Empty:
                 cause = None
-            raise RuntimeError(
+            raise RolloutWorkerDiedError(
                 "HFGenerateRolloutWorker: the rollout process failed (its traceback is chained)"
             ) from cause
         if self._process is not None and not self._process.is_alive():
-            raise RuntimeError(
+            raise RolloutWorkerDiedError(
                 f"HFGenerateRolloutWorker: the rollout process exited (exit code {self._process.exitcode}) while the "
                 "trainer waits for samples"
             )
@@ -607,6 +626,40 @@ class _WorkerLoop:
         except queue.Full:
             pass
         return samples
+
+
+def check_weight_lag(weight_lag: int, args: Any) -> None:
+    """Refuse a `weight_lag` under which every sample is too stale to train (after the first ones).
+
+    A sample is sampled from weights at least `weight_lag` versions behind the newest the worker received, so it is
+    at least `weight_lag` versions old when pulled. When every micro-batch is pulled ahead by the dataloader's prefetch
+    and trained after the next weight sync (one micro-batch per optimizer step, `num_mini_batches` 1, a sync every
+    step), it is one version older when trained. Past that, `max_staleness` drops every sample: the trainer would pull
+    and drop them for ever. Allowed: `0 <= weight_lag <= max_staleness - 1` in that case, `<= max_staleness` else.
+    """
+    if not isinstance(weight_lag, int) or isinstance(weight_lag, bool) or weight_lag < 0:
+        raise ValueError(f"weight_lag={weight_lag!r} must be an integer >= 0")
+    staleness = getattr(args, "max_staleness", None)
+    if staleness is None:
+        return
+    prefetched = (
+        args.gradient_accumulation_steps == 1
+        and getattr(args, "num_mini_batches", 1) == 1
+        and args.weight_sync_steps == 1
+    )
+    least = weight_lag + int(prefetched)  # the least lag of a sample when trained
+    if least > staleness:
+        why = (
+            " plus the version of the weight sync between its pull (the dataloader's prefetch) and its training "
+            "(gradient_accumulation_steps=1, num_mini_batches=1, weight_sync_steps=1)"
+            if prefetched
+            else ""
+        )
+        raise ValueError(
+            f"weight_lag={weight_lag} with max_staleness={staleness}: every sample would be trained at least {least} "
+            f"versions old (weight_lag{why}) and dropped as too stale. Set 0 <= weight_lag <= "
+            f"{staleness - int(prefetched)}, or max_staleness >= {least}"
+        )
 
 
 def _check_fixed_lag(fixed_lag: int, weight_lag: int, args: AsyncGRPOConfig) -> None:

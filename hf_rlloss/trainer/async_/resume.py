@@ -16,7 +16,8 @@ worker starts again at the first prompt.
   pipeline is `fixed_lag` steps deep), so the resumed worker loads them, and the trainer's cold weight sync is skipped
   (the newest of them is the last version the trainer sent). The regenerated samples are then the uninterrupted run's,
   bit for bit, and so is the training. Without `fixed_lag` the worker samples from the newest weights, which depends
-  on timing; the resumed worker starts from the checkpoint's weights (the cold sync, as TRL).
+  on timing; the resumed worker starts from the checkpoint's weights, which the trainer's cold sync sends under the
+  saved `model_version` (the version they are), so the counter continues the interrupted run's exactly.
 """
 
 from __future__ import annotations
