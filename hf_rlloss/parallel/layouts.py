@@ -290,22 +290,27 @@ def zero_attention_dropout(model: nn.Module) -> dict[str, float]:
     """Set every attention dropout of `model` to 0 (what TRL's `disable_dropout` does for `nn.Dropout` modules, also
     for the floats and config fields it leaves); returns what was zeroed, as `attention_dropout` found it."""
     found = attention_dropout(model)
+    _set_to_zero(model, found)
+    return found
+
+
+def _set_to_zero(model: nn.Module, wheres) -> None:
+    """Zero each dropout named `config.<field>` or `<module path>.<attribute>` (an `nn.Dropout`'s `p`, or a float)."""
     text_config = model.config.get_text_config()
     modules = dict(model.named_modules())
-    for where in found:
-        path, attr = where.rsplit(".", 1)
+    for where in wheres:
+        path, _, attr = where.rpartition(".")
         if path == "config":
             setattr(text_config, attr, 0.0)
             if model.config is not text_config and hasattr(model.config, attr):
                 setattr(model.config, attr, 0.0)
             continue
-        module = modules[path]
-        value = getattr(module, attr)
+        owner = modules[path]
+        value = getattr(owner, attr)
         if isinstance(value, nn.Dropout):
             value.p = 0.0
         else:
-            setattr(module, attr, 0.0)
-    return found
+            setattr(owner, attr, 0.0)
 
 
 # Every other dropout a model applies in training, under the names transformers' models give it: a float on a module
@@ -351,19 +356,5 @@ def zero_dropout(model: nn.Module) -> dict[str, float]:
     `disable_dropout` leaves, the `nn.Dropout` modules it zeroes, and the attention dropouts of
     `zero_attention_dropout`); returns what was zeroed."""
     found = {**zero_attention_dropout(model), **dropout_settings(model)}
-    text_config = model.config.get_text_config()
-    modules = dict(model.named_modules())
-    for where in found:
-        path, _, attr = where.rpartition(".")
-        if path == "config":
-            setattr(text_config, attr, 0.0)
-            if model.config is not text_config and hasattr(model.config, attr):
-                setattr(model.config, attr, 0.0)
-            continue
-        owner = modules[path]
-        value = getattr(owner, attr)
-        if isinstance(value, nn.Dropout):
-            value.p = 0.0
-        else:
-            setattr(owner, attr, 0.0)
+    _set_to_zero(model, found)
     return found
