@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 # Every page a user reads, and the comment lines of the recipes (their headers describe the runs).
-PAGES = ("README.md", "benchmarks/README.md", "docs/**/*.md", "recipes/**/*.yaml")
+PAGES = ("README.md", "benchmarks/README.md", "tests/README.md", "docs/**/*.md", "recipes/**/*.yaml")
 # Pages whose numbers are history by design, not claims about the current software.
 NOT_CHECKED = {"CHANGELOG.md": "a dated record of each release"}
 
@@ -41,7 +41,10 @@ TABLE_RE = re.compile(r"<!-- table:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)\n?<!-- 
 # Measurement-like numbers: ratios, durations, memory, percentages, and accuracies or rewards written 0.xx.
 _NUM = r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?"
 MEASUREMENT = re.compile(
-    _NUM + r"\s?(?:×|%|ms\b|s\b|min\b|minutes?\b|seconds?\b|hours?\b|h\b|[kMG]i?B\b)" + r"|(?<![\w.,])0\.\d{2}\b"
+    # a ratio `×` is not a shape or a count: "1×8 micro-batches", "dp=2×sp=2" and "8 × 80 GB" are not flagged
+    _NUM
+    + r"\s?(?:×(?!\s?\d|[A-Za-z])|%|ms\b|s\b|min\b|minutes?\b|seconds?\b|hours?\b|h\b|[kMG]i?B\b)"
+    + r"|(?<![\w.,])0\.\d{2}\b"
 )
 
 # Numbers that look like measurements but are not (hardware requirements, settings, thresholds), per page, each with
