@@ -13,10 +13,10 @@ SUMMARY = re.compile(
 SEEDS = "demo_seeds.json"
 
 
-def span(stat: dict, fmt: str = "{:.2f}") -> str:
+def span(stat: dict, fmt: str = "{:.2f}", sep: str = "–") -> str:
     """`min–max` of a spread, or the single value when every seed gave it."""
     low, high = fmt.format(stat["min"]), fmt.format(stat["max"])
-    return low if low == high else f"{low}–{high}"
+    return low if low == high else f"{low}{sep}{high}"
 
 
 def _aggregate(r) -> dict:
@@ -50,7 +50,7 @@ def heldout_after(r) -> str:
 
 @figure("demo.heldout_gain")
 def heldout_gain(r) -> str:
-    return span(_aggregate(r)["heldout_gain"], "{:+.2f}")
+    return span(_aggregate(r)["heldout_gain"], "{:+.2f}", " to ")
 
 
 @figure("demo.machine")
