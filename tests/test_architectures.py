@@ -273,6 +273,10 @@ def test_the_async_trainer_refuses_what_it_cannot_pack():
     bigcode = causal_lm(tiny_model("gpt_bigcode"))
     use_tree_attention(bigcode, name, "the policy")
     assert attention_dropout(bigcode) == {} and bigcode.config._attn_implementation == name
+    opt = causal_lm(tiny_model("opt"))  # functional dropout (F.dropout with a float) and layerdrop
+    assert dropout_settings(opt)
+    use_tree_attention(opt, name, "the policy")
+    assert dropout_settings(opt) == {}
 
 
 def test_model_layouts_reads_the_mixers():

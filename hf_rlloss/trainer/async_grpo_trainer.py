@@ -59,7 +59,7 @@ from trl.trainer.utils import use_adapter
 from ..loss.config import BaseRLLossConfig
 from ..loss.context import BaseRLLossContext
 from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
-from ..parallel.layouts import model_layouts, switch_attention, zero_attention_dropout
+from ..parallel.layouts import model_layouts, switch_attention, zero_dropout
 from ..parallel.tree_attention import register_tree_attention
 from .async_ import resume as rollout_resume
 from .async_.cpu_rollout import check_weight_lag
@@ -95,17 +95,18 @@ def use_tree_attention(lm: nn.Module, name: str, what: str) -> None:
     """Put the causal LM `lm` on the tree attention `name`, which every forward of the async trainer runs (TRL packs
     each micro-batch into one prefix-trie row; there is no padded forward to fall back to). Refuses, before the first
     step, a model whose layers a packed row is not exact for (`hf_rlloss.parallel.layouts`: state-space, linear
-    attention, convolutions, ...) or whose attention cannot be switched; zeroes its attention dropout, logged (TRL's
-    async trainer has no `disable_dropout`, and the tree attention has no dropout)."""
+    attention, convolutions, ...) or whose attention cannot be switched; zeroes every dropout it has, logged (TRL's
+    async trainer has no `disable_dropout`, the tree attention has no dropout, and a functional dropout left on would
+    make the trained policy differ from the one whose log-probs the loss uses)."""
     layouts = model_layouts(lm)
     if not layouts.allows("shared_prefix"):
         raise ValueError(
             f"RLLossAsyncGRPOTrainer forwards every micro-batch as one packed row, which is not exact for {what} "
             f"({layouts.model_type}): {layouts.reason}. Train it with RLLossGRPOTrainer (packing='off')."
         )
-    zeroed = zero_attention_dropout(lm)
+    zeroed = zero_dropout(lm)  # the functional dropouts and layerdrop too (OPT, BioGPT, Seed-OSS, ...)
     if zeroed:
-        logger.warning(f"{what}: attention dropout zeroed for the packed rows ({zeroed})")
+        logger.warning(f"{what}: dropout zeroed for the packed rows ({zeroed})")
     switch_attention(lm, name, f"RLLossAsyncGRPOTrainer: {what}")
 
 
