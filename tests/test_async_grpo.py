@@ -23,13 +23,11 @@ from _async import (
     NoWeightTransfer,
     fixed_samples,
     prompts_dataset,
-    save_tiny_policy,
 )
 from _trainer_utils import (
     BASE_ARGS,
     FixedWithLogprobs,
     make_dataset,
-    make_tokenizer,
     reward_digit,
     reward_length,
     trainable_snapshot,
@@ -45,16 +43,6 @@ torch.set_num_threads(1)
 
 TOLERANCE = 1e-6
 SGD = dict(optim="sgd", learning_rate=0.05, max_grad_norm=0.0, max_steps=3, lr_scheduler_type="constant")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
 def _train_async(trainer_cls, args, policy, tok, samples):

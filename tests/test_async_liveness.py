@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-from _async import ASYNC_ARGS, FixedRolloutWorker, NoWeightTransfer, fixed_samples, prompts_dataset, save_tiny_policy
-from _trainer_utils import make_dataset, make_tokenizer, reward_length, trainable_snapshot
+from _async import ASYNC_ARGS, FixedRolloutWorker, NoWeightTransfer, fixed_samples, prompts_dataset
+from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import TrainerCallback
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
@@ -25,16 +25,6 @@ from hf_rlloss.trainer.async_grpo_trainer import NoTrainableSamplesError, portab
 torch.set_num_threads(1)
 
 ADAM = dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
 class _Snapshots(TrainerCallback):

@@ -18,8 +18,8 @@ import time
 
 import pytest
 import torch
-from _async import ASYNC_ARGS, save_tiny_policy
-from _trainer_utils import make_dataset, make_tokenizer, reward_length, trainable_snapshot
+from _async import ASYNC_ARGS
+from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import AutoModelForCausalLM
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
@@ -33,16 +33,6 @@ from hf_rlloss.trainer.async_.cpu_rollout import (
 torch.set_num_threads(1)
 
 SGD = dict(optim="sgd", learning_rate=0.05, max_grad_norm=0.0, lr_scheduler_type="constant")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
 class ThreadedWorker(HFGenerateRolloutWorker):

@@ -14,10 +14,8 @@ import multiprocessing
 import threading
 import time
 
-import pytest
 import torch
-from _async import ASYNC_ARGS, die_holding_locks, prompts_dataset, save_tiny_policy
-from _trainer_utils import make_tokenizer
+from _async import ASYNC_ARGS, die_holding_locks, prompts_dataset
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
 from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, RolloutWorkerDiedError
@@ -25,16 +23,6 @@ from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueW
 torch.set_num_threads(1)
 
 NAMED_WITHIN_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
 
 
 def _worker(policy, tok, tmp_path, **options):

@@ -1,0 +1,17 @@
+"""Fixtures shared by the async trainer's test modules (a module that defines its own `tok` or `policy` keeps it)."""
+
+import pytest
+from _async import save_tiny_policy
+from _trainer_utils import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny tokenizer of `_trainer_utils`, built once per test module."""
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """A tiny random policy saved to disk (the async workers load it by path), once per test module."""
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
