@@ -436,6 +436,12 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
                 "field configures the loss"
             )
         self.rl_loss_config: BaseRLLossConfig = args.rl_loss_config
+        if rollout_worker is not None and (tools or environment_factory):
+            raise ValueError(
+                "tools/environment_factory with a rollout_worker: the worker runs the conversations, so pass them to "
+                f"the rollout worker ({type(rollout_worker).__name__}(..., tools=[...], environment_factory=...)) "
+                "instead of the trainer"
+            )
         _check_worker_logprobs(rollout_worker)
         self._check_routes_source(args.routing_replay, rollout_worker)
         reference = reference_source(model, ref_model, peft_config, self.rl_loss_config.use_kl_loss)

@@ -47,6 +47,7 @@ from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel, SharedFlag
+from .multiturn import AgentSpec, Episode, MultiTurnRollouts, prepare_tokenizer
 from .routing import sample_routes
 
 logger = logging.get_logger(__name__)
@@ -72,7 +73,6 @@ VLLM_ONLY_OPTIONS = (
     "vllm_server_timeout",
     "request_timeout",
     "max_inflight_tasks",
-    "max_tool_calling_iterations",
 )
 
 
@@ -133,6 +133,9 @@ class _Settings:
     weight_sync_steps: int = 1
     start_group: int = 0  # the first prompt served, counted over epochs (a resumed run's position)
     resume_weights: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (version, safetensors file)
+    agent: AgentSpec | None = None  # tools / environments: multi-turn rollouts (`async_/multiturn.py`)
+    max_completion_length: int = 0
+    max_model_len: int = 0
 
 
 class HFGenerateRolloutWorker:
@@ -169,6 +172,16 @@ class HFGenerateRolloutWorker:
             per optimizer step. Unset (the default), the worker samples from the newest weights it has.
         threads (`int`, *optional*, defaults to `1`): torch threads of the worker process.
         ready_timeout (`float`, *optional*, defaults to `600`): seconds `start` waits for the process to load.
+        tools (`list[Callable]`, *optional*): TRL tools; the worker runs TRL's tool-calling loop
+            (`args.max_tool_calling_iterations` turns at most), multi-turn samples with the replies masked
+            (`async_/multiturn.py`). Module-level functions (they are pickled to the process).
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*): TRL's environments (`reset`, public
+            methods as tools, optional `get_reward`); the reward functions also receive `environments=`.
+        tool_timeout_s (`float`, *optional*, defaults to `60`): how long one tool call may run
+            (`multiturn.ToolTimeoutError`).
+        on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): what a multi-turn sample that met a
+            `multiturn.RolloutError` becomes: `"feed_back"` (TRL's behaviour: the error is the tool's reply),
+            `"drop"` (its group is dropped) or `"raise"`; every case is counted in `rollout/errors/*` metrics.
     """
 
     def __init__(
@@ -186,6 +199,10 @@ class HFGenerateRolloutWorker:
         fixed_lag: int | None = None,
         threads: int = 1,
         ready_timeout: float = 600.0,
+        tools: Sequence[Callable] | None = None,
+        environment_factory: Any = None,
+        tool_timeout_s: float = 60.0,
+        on_rollout_error: str = "feed_back",
     ):
         for name in VLLM_ONLY_OPTIONS:
             if getattr(args, name) != _default(name):
@@ -200,8 +217,15 @@ class HFGenerateRolloutWorker:
         if not isinstance(model, str):
             raise TypeError("HFGenerateRolloutWorker loads its own copy of the policy: pass the model's path")
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        agent = AgentSpec(list(tools or []), environment_factory, args.max_tool_calling_iterations, tool_timeout_s,
+                          on_rollout_error)  # fmt: skip
+        if not agent.enabled and args.max_tool_calling_iterations is not None:
+            raise ValueError(
+                f"max_tool_calling_iterations={args.max_tool_calling_iterations} without tools or "
+                "environment_factory: pass them to the rollout worker (HFGenerateRolloutWorker(..., tools=[...]))"
+            )
         rows = [dict(row) for row in dataset]
-        if not rows or "prompt" not in rows[0]:
+        if not rows or ("prompt" not in rows[0] and agent.environment_factory is None):
             raise ValueError("HFGenerateRolloutWorker needs a dataset with a 'prompt' column")
         funcs = list(reward_funcs or [])
         self.records_logprobs = record_logprobs
@@ -212,6 +236,19 @@ class HFGenerateRolloutWorker:
                 "HFGenerateRolloutWorker: shared_prompt_generation is set aside: routing_replay='rollout' records the "
                 "routers during generate row by row, and a prompt prefilled once would give its completions one row"
             )
+        max_model_len = 0
+        if agent.enabled:
+            from transformers import AutoConfig
+
+            if routing_replay == "rollout":
+                raise ValueError(
+                    "routing_replay='rollout' with tools/environment_factory: the routes of a conversation's turns "
+                    "are not stitched into one sample; use routing_replay='old_policy'"
+                )
+            processing_class = prepare_tokenizer(processing_class)
+            max_model_len = AutoConfig.from_pretrained(model).get_text_config().max_position_embeddings
+            MultiTurnRollouts(agent, processing_class, dict(args.chat_template_kwargs or {}),
+                              args.max_completion_length, max_model_len)  # fmt: skip  # refuses bad input here
         self._settings = _Settings(
             model_path=model,
             prompts=rows,
@@ -240,7 +277,11 @@ class HFGenerateRolloutWorker:
             fixed_lag=fixed_lag,
             weight_sync_steps=args.weight_sync_steps,
             routing_replay=routing_replay,
+            agent=agent if agent.enabled else None,
+            max_completion_length=args.max_completion_length,
+            max_model_len=max_model_len,
         )
+        self.agent = self._settings.agent  # read by RLLossAsyncGRPOTrainer
         self.fixed_lag = fixed_lag
         self.weight_lag = weight_lag  # read by RLLossAsyncGRPOTrainer (check_weight_lag with its own arguments)
         ctx = mp.get_context("spawn")
@@ -446,6 +487,14 @@ class _WorkerLoop:
         self.model.eval()
         self.routing = RoutingReplay().attach(self.model) if self.s.routing_replay == "rollout" else None
         self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(self.model.generation_config.eos_token_id)]
+        self.load_multiturn()
+
+    def load_multiturn(self) -> None:
+        s = self.s
+        self.multiturn = None
+        if s.agent is not None:
+            self.multiturn = MultiTurnRollouts(s.agent, s.tokenizer, s.chat_template_kwargs, s.max_completion_length,
+                                               s.max_model_len)  # fmt: skip
 
     def load_resume_weights(self) -> None:
         """A resumed run's policy versions (`restore`): kept as if received, before any weights of the trainer."""
@@ -554,16 +603,10 @@ class _WorkerLoop:
                       padding_side="left", add_special_tokens=False)  # fmt: skip
         return rows, texts, encoded
 
-    def _score_groups(self, rows, encoded, completions, recorded, version) -> list[RolloutSample]:
-        """Each prompt's `num_generations` completions (consecutive in `completions`) scored as one group."""
-        samples = []
-        for g, row in enumerate(rows):
-            index = range(g * self.s.num_generations, (g + 1) * self.s.num_generations)
-            samples += self._score_group(row, encoded, [completions[i] for i in index], index, recorded, version)
-        return samples
-
     @torch.no_grad()
     def _generate_batch(self) -> list[RolloutSample]:
+        if self.multiturn is not None:
+            return self._generate_multiturn_batch()
         s, tok = self.s, self.s.tokenizer
         seed = batch_seed(s.seed, self.next_prompt)
         rows, _, encoded = self._next_prompts()
@@ -590,34 +633,86 @@ class _WorkerLoop:
             samples = [sample_routes(*parts) for parts in zip(samples, *routes, strict=True)]
         return samples
 
-    def _score_group(self, row, encoded, completions, index, recorded, version) -> list[RolloutSample]:
+    def _score_groups(self, rows, encoded, completions, recorded, version) -> list[RolloutSample]:
+        """Single-turn: each prompt's `num_generations` completions (consecutive in `completions`) scored as one
+        group."""
         s, tok = self.s, self.s.tokenizer
         texts = tok.batch_decode(completions, skip_special_tokens=True)
-        conversational = isinstance(row["prompt"], list)
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        extra = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
+        episodes = []
+        for i, completion in enumerate(completions):
+            row = rows[i // s.num_generations]
+            prompt = encoded["input_ids"][i][encoded["attention_mask"][i].bool()].tolist()
+            logps = recorded[0][i] if recorded is not None else [math.nan] * len(completion)
+            shown = [{"role": "assistant", "content": texts[i]}] if isinstance(row["prompt"], list) else texts[i]
+            episodes.append(Episode(row["prompt"], prompt, completion, [1] * len(completion), list(logps), shown))
+        return self._score_episodes(rows, episodes, version)
+
+    def _score_episodes(self, rows, episodes: list[Episode], version) -> list[RolloutSample]:
+        """Each prompt's `num_generations` episodes (consecutive) scored as one group; under `on_rollout_error=
+        "drop"` a group with a rollout error is dropped (and counted)."""
+        s, samples, counts = self.s, [], {}
+        for g, row in enumerate(rows):
+            group = episodes[g * s.num_generations : (g + 1) * s.num_generations]
+            kinds = sorted({e.kind for episode in group for e in episode.errors})
+            for kind in (e.kind for episode in group for e in episode.errors):
+                counts[f"rollout/errors/{kind}_total"] = counts.get(f"rollout/errors/{kind}_total", 0.0) + 1.0
+            if kinds and s.agent.on_rollout_error == "raise":
+                raise next(e for episode in group for e in episode.errors)
+            if kinds and s.agent.on_rollout_error == "drop":
+                for kind in kinds:
+                    key = f"rollout/dropped_groups/{kind}_total"
+                    counts[key] = counts.get(key, 0.0) + 1.0
+                continue
+            samples += self._score_group(row, group, version)
+        if self.multiturn is not None:
+            n = float(len(episodes))
+            counts["tools/loop_exhausted_frac"] = (float(sum(e.loop_exhausted for e in episodes)), n)
+            counts["rollout/turns_mean"] = (float(sum(e.turns for e in episodes)), n)
+            try:
+                self.metrics_queue.put_nowait(counts)
+            except queue.Full:
+                pass
+        return samples
+
+    def _score_group(self, row, episodes: list[Episode], version) -> list[RolloutSample]:
+        s = self.s
+        n = len(episodes)
+        shown = [e.messages for e in episodes]
+        extra = {k: [v] * n for k, v in row.items() if k != "prompt"}
+        environments = [e.environment for e in episodes]
+        if self.multiturn is not None and self.multiturn.factories is not None:
+            extra["environments"] = environments
         columns = [
-            [math.nan if r is None else float(r) for r in fn(prompts=[row["prompt"]] * len(texts), completions=shown,
-                                                              completion_ids=completions, **extra)]
+            [math.nan if r is None else float(r) for r in fn(prompts=[e.prompt for e in episodes], completions=shown,
+                                                              completion_ids=[e.completion_ids for e in episodes],
+                                                              **extra)]
             for fn in s.reward_funcs
         ]  # fmt: skip
-        per_func = np.array(columns, dtype=float).reshape(len(columns), len(texts))
+        names = list(s.reward_names)
+        if self.multiturn is not None:  # an environment's get_reward: a column per environment class (TRL's rule)
+            for env_type in self.multiturn.reward_types:
+                columns.append([float(e.get_reward()) if type(e) is env_type else math.nan for e in environments])
+                names.append(env_type.__name__)
+        per_func = np.array(columns, dtype=float).reshape(len(columns), n)
         rewards = np.nansum(per_func, axis=0)
         rewards[np.all(np.isnan(per_func), axis=0)] = np.nan
         advantages, mean, std = group_advantages(rewards)
         group = self.next_group
         self.next_group += 1
         samples = []
-        for j, (i, completion) in enumerate(zip(index, completions)):
-            prompt = encoded["input_ids"][i][encoded["attention_mask"][i].bool()].tolist()
-            logps = recorded[0][i] if recorded is not None else [math.nan] * len(completion)
+        for j, e in enumerate(episodes):
             metrics = {"reward": float(rewards[j]), "reward_std": std}
-            metrics.update({f"rewards/{n}": float(per_func[k, j]) for k, n in enumerate(s.reward_names)})
+            metrics.update({f"rewards/{name}": float(per_func[k, j]) for k, name in enumerate(names)})
+            if self.multiturn is not None:
+                metrics["tools/call_frequency"] = float(e.tool_calls)
+                metrics["tools/failure_frequency"] = len(e.errors) / e.tool_calls if e.tool_calls else 0.0
+            p = len(e.prompt_ids)
             samples.append(
                 RolloutSample(
-                    prompt=row["prompt"], completion=shown[j], input_ids=np.asarray(prompt + completion, np.int64),
-                    completion_mask=np.asarray([0] * len(prompt) + [1] * len(completion), np.int64),
-                    old_log_probs=np.asarray([0.0] * len(prompt) + list(logps), np.float32),
+                    prompt=e.prompt, completion=e.messages, input_ids=np.asarray(e.prompt_ids + e.completion_ids,
+                                                                                 np.int64),
+                    completion_mask=np.asarray([0] * p + list(e.mask), np.int64),
+                    old_log_probs=np.asarray([0.0] * p + list(e.logprobs), np.float32),
                     advantage=float(advantages[j]), model_version=version, group_id=group, metrics=metrics,
                 )
             )  # fmt: skip
@@ -626,6 +721,42 @@ class _WorkerLoop:
         except queue.Full:
             pass
         return samples
+
+    # Multi-turn (tools, environments: `async_/multiturn.py`)
+
+    @torch.no_grad()
+    def _generate_ids(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt (ids up to and including the EOS) and its tokens' behaviour log-probs (NaN when
+        not recorded), sampled under `seed`; the prompts left padded into one `generate` call."""
+        s, tok = self.s, self.s.tokenizer
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+        recorder = SampledTokenLogprobs()
+        with torch.random.fork_rng(devices=[]), recording_logprobs(self.model, recorder):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, **s.generation_kwargs,
+                                      eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id)  # fmt: skip
+        completions = [_cut_at_eos(ids, self.eos_ids) for ids in out[:, width:].tolist()]
+        if not s.record_logprobs:
+            return completions, [[math.nan] * len(c) for c in completions]
+        return completions, [list(lp) for lp in recorder.per_completion(completions, s.support)[0]]
+
+    def _generate_multiturn_batch(self) -> list[RolloutSample]:
+        """The next prompts' conversations (TRL's tool-calling loop, `MultiTurnRollouts`), every turn sampled from the
+        version loaded now; call `c` of the batch is sampled under `SeedSequence([seed, first prompt, c])`."""
+        s = self.s
+        first = self.next_prompt
+        rows = [s.prompts[(self.next_prompt + i) % len(s.prompts)] for i in range(s.groups_per_batch)]
+        self.next_prompt += len(rows)
+        version = self.version
+
+        def generate(prompt_ids: list[list[int]], call: int) -> tuple[list[list[int]], list[list[float]]]:
+            seed = int(np.random.SeedSequence([int(s.seed), int(first), int(call)]).generate_state(1)[0])
+            return self._generate_ids(prompt_ids, seed)
+
+        episodes = self.multiturn.rollout(rows, s.num_generations, generate)
+        return self._score_episodes(rows, episodes, version)
 
 
 def check_weight_lag(weight_lag: int, args: Any) -> None:
