@@ -26,6 +26,7 @@ from _tools import (
     PAIRS,
     MultiplyEnvironment,
     ScriptedToolRollout,
+    ScriptedWorkerLoop,
     multiply,
     reward_correct,
     tool_model,
@@ -36,7 +37,12 @@ from datasets import Dataset
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer, RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+from hf_rlloss.trainer.async_.cpu_rollout import (
+    HFGenerateRolloutWorker,
+    QueueWeightTransfer,
+    RolloutWorkerDiedError,
+    _WorkerLoop,
+)
 from hf_rlloss.trainer.async_.multiturn import (
     ContextOverflowError,
     MalformedToolCallError,
@@ -250,8 +256,56 @@ def test_rollout_is_of_a_multi_turn_sample_against_an_independent_computation(sy
     assert log["rollout_is/max"] == pytest.approx(float(rho.max()), rel=1e-4)
 
 
+def _train_with_worker(tool_policy, tool_tok, tmp_path, max_steps=2, **worker_options):
+    """RLLossAsyncGRPOTrainer with a spawned HFGenerateRolloutWorker running the scripted multi-turn rollouts."""
+    args = async_args(tmp_path, max_staleness=2, max_steps=max_steps)
+    worker = HFGenerateRolloutWorker(tool_policy, rows(PAIRS), [reward_correct], tool_tok, args, **worker_options)
+    worker._settings.loop_class = ScriptedWorkerLoop
+    with portable_async_trl():
+        transfer = QueueWeightTransfer(worker)
+        trainer = RLLossAsyncGRPOTrainer(tool_policy, [reward_correct], args, rows(PAIRS), tool_tok,
+                                         rollout_worker=worker, weight_transfer=transfer)  # fmt: skip
+    before = trainable_snapshot(trainer.model)
+    try:
+        trainer.train()
+    finally:
+        worker.stop()
+    return trainer, before, trainable_snapshot(trainer.model)
+
+
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
+def test_spawned_worker_trains_on_multi_turn_rollouts(tool_policy, tool_tok, tmp_path, source):
+    """The whole pipeline (spawned worker, sample channel, weight queue, trainer): half of the conversations call the
+    tool, a third of the forwarded tokens are masked replies or prompts, and the policy moves."""
+    options = {"tools": [multiply]} if source == "tools" else {"environment_factory": MultiplyEnvironment}
+    trainer, before, after = _train_with_worker(tool_policy, tool_tok, tmp_path, **options)
+    logs = [h for h in trainer.state.log_history if "loss/total" in h]
+    assert len(logs) == 2 and _max_diff(before, after) > 1e-4
+    assert all(log["tools/call_frequency"] == 0.5 and log["rollout/turns_mean"] == 1.5 for log in logs)
+    assert all(log["train_policy/valid_tokens"] > 0 and log["tools/loop_exhausted_frac"] == 0 for log in logs)
+
+
+def test_a_tool_error_under_raise_stops_training_with_its_name(tool_policy, tool_tok, tmp_path):
+    with pytest.raises(RolloutWorkerDiedError) as caught:
+        _train_with_worker(tool_policy, tool_tok, tmp_path, tools=[multiply_badly], on_rollout_error="raise")
+    assert "ToolRaisedError: tool 'multiply' raised ZeroDivisionError" in str(caught.value.__cause__)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Bad input
+
+
+def multiply_badly(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b // 0
+
+
+multiply_badly.__name__ = "multiply"
 
 
 def divide(a: int, b: int) -> float:

@@ -177,6 +177,31 @@ def test_async_trainer_samples_with_the_vllm_worker(policy_dir, tmp_path):
     assert reload["initial_vs_trained"] >= 0.1, reload
 
 
+def test_the_vllm_worker_samples_the_turns_after_a_tool_reply(policy_dir, tmp_path):
+    """Multi-turn with VLLMRolloutWorker: after the (scripted) tool call and the tool's reply, the engine samples the
+    next turn; its tokens are trained with the engine's log-probs (equal to transformers' float32 ones of the same
+    tokens), the reply's tokens are masked and carry none."""
+    _require_vllm()
+    run = _run("multiturn", policy_dir, tmp_path)
+    assert run["calls"] == [4, 2]  # the first turn of 4 conversations, then the 2 that called the tool
+    after_reply = 0
+    for sample in run["samples"]:
+        mask = torch.tensor(sample["completion_mask"])
+        start = int(mask.argmax())
+        behaviour = torch.tensor(sample["old_log_probs"])
+        hf = torch.tensor(sample["hf"])  # log-probs of tokens 1.. given the tokens before
+        replied = bool((mask[start:] == 0).any())
+        assert replied == ("<tool_response>" in sample["text"])
+        if replied:
+            reply_end = start + int((mask[start:] == 0).nonzero().max()) + 1
+            engine = torch.arange(len(mask)) >= reply_end  # the tokens the engine sampled after the reply
+            assert engine.any() and (mask[engine] == 1).all()
+            torch.testing.assert_close(behaviour[engine], hf[engine[1:].nonzero()[:, 0]], rtol=0, atol=1e-4)
+            after_reply += int(engine.sum())
+        assert (behaviour[mask == 0] == 0).all()
+    assert after_reply > 0
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Refusals (no engine needed: these run in every environment)
 

@@ -6,7 +6,8 @@
 CASE: `trl` (stock TRL `GRPOTrainer`, colocate), `ours` (`RLLossGRPOTrainer`, colocate, TRL's vLLM IS correction and
 the loss layer's metrics-only rollout IS, KL to the reference; then the weight-sync check), `is` (`RLLossGRPOTrainer`
 with `rl_loss.rollout_is` under top-k sampling and dynamic sampling, the IS weights recorded), `async` (the async
-trainer with the vLLM rollout worker). MODEL_DIR is a tiny policy saved by `tests/test_vllm.py`.
+trainer with the vLLM rollout worker), `multiturn` (the vLLM rollout worker's tool loop). MODEL_DIR is a tiny policy
+saved by `tests/test_vllm.py`.
 """
 
 from __future__ import annotations
@@ -210,7 +211,55 @@ def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
     }
 
 
-CASES = {"trl": run_trl, "ours": run_ours, "is": run_is, "async": run_async}
+def run_multiturn(model_dir: str, out_dir: str) -> dict:
+    """`VLLMRolloutWorker`'s loop with `tools=[multiply]`, in this process: the first turn scripted (half of each group
+    calls the tool, `_tools.ScriptedToolRollout`), every later turn sampled by the engine (float32). Returns the
+    samples' tokens, masks and behaviour log-probs, and transformers' float32 log-probs of the same tokens."""
+    import queue
+
+    from _async import ASYNC_ARGS
+    from _tools import PAIRS, ScriptedToolRollout, multiply, reward_correct, tool_tokenizer
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker, _VLLMWorkerLoop
+
+    tok = tool_tokenizer()
+    path = os.path.join(out_dir, "tool-policy")
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, **ids)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    options = {**ASYNC_ARGS, "max_completion_length": 200, "max_tool_calling_iterations": 1}
+    args = RLLossAsyncGRPOConfig(output_dir=out_dir, **options)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "product": a * b} for a, b in PAIRS]
+    worker = VLLMRolloutWorker(path, rows, [reward_correct], tok, args, tools=[multiply], max_model_len=512)
+    loop = _VLLMWorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+    loop.load()
+    loop.version = 1
+    engine, script, calls = loop._generate_ids, ScriptedToolRollout(loop.s.tokenizer, logprobs=True), []
+
+    def generate(prompt_ids, seed):
+        calls.append(len(prompt_ids))
+        return script(prompt_ids) if len(calls) == 1 else engine(prompt_ids, seed)
+
+    loop._generate_ids = generate
+    samples = loop._generate_batch()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = {"calls": calls, "samples": []}
+    for sample in samples:
+        tokens = sample.input_ids.tolist()
+        out["samples"].append({
+            "input_ids": tokens, "completion_mask": sample.completion_mask.tolist(),
+            "old_log_probs": sample.old_log_probs.tolist(), "hf": _trainer_logprobs(model, tokens, 1.0).tolist(),
+            "text": tok.decode(tokens),
+        })  # fmt: skip
+    return out
+
+
+CASES = {"trl": run_trl, "ours": run_ours, "is": run_is, "async": run_async, "multiturn": run_multiturn}
 
 if __name__ == "__main__":
     case, model_dir, out = sys.argv[1:4]

@@ -16,6 +16,7 @@ The engine computes in `args.dtype` (vLLM's own choice for `"auto"`: bfloat16 fo
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -61,6 +62,8 @@ class VLLMRolloutWorker(HFGenerateRolloutWorker):
         # read by cpu_rollout._worker_main in the spawned process (the settings are pickled with it)
         s.loop_class = _VLLMWorkerLoop
         s.vllm = {"max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
+        if s.agent is not None and max_model_len:  # the engine's context bounds a conversation
+            s.max_model_len = min(s.max_model_len, max_model_len)
 
 
 class _EngineWeights:
@@ -97,13 +100,15 @@ class _VLLMWorkerLoop(_WorkerLoop):
         self.model = _EngineWeights(self.llm)
         eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
         self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(eos)]
+        self.load_multiturn()
 
-    def _sampling_params(self) -> Any:
+    def _sampling_params(self, n: int | None = None, seed: int | None = None) -> Any:
         from vllm import SamplingParams
 
         g = self.s.generation_kwargs
         return SamplingParams(
-            n=self.s.num_generations,
+            n=self.s.num_generations if n is None else n,
+            seed=seed,
             temperature=g["temperature"],
             top_p=g.get("top_p") or 1.0,
             top_k=g.get("top_k") or 0,
@@ -114,18 +119,36 @@ class _VLLMWorkerLoop(_WorkerLoop):
             logprobs=0,
         )
 
-    @torch.no_grad()
-    def _generate_batch(self) -> list:
-        s, tok = self.s, self.s.tokenizer
-        rows, texts, encoded = self._next_prompts()
-        version = self.version
-        prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
-        outputs = self.llm.generate(prompts, self._sampling_params(), use_tqdm=False)
+    def _completions(self, outputs: list) -> tuple[list[list[int]], list[list[float]]]:
+        """The engine's completions (cut after their EOS) and their tokens' log-probs, in request order."""
         completions, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:
                 ids = _cut_at_eos(list(sample.token_ids), self.eos_ids)
                 completions.append(ids)
                 logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs)])
+        return completions, logprobs
+
+    @torch.no_grad()
+    def _generate_ids(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Multi-turn (`cpu_rollout._WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
+        sampled under seed `seed + i`."""
+        params = [self._sampling_params(n=1, seed=(seed + i) % 2**63) for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        completions, logprobs = self._completions(outputs)
+        if not self.s.record_logprobs:
+            logprobs = [[math.nan] * len(c) for c in completions]
+        return completions, logprobs
+
+    @torch.no_grad()
+    def _generate_batch(self) -> list:
+        if self.multiturn is not None:
+            return self._generate_multiturn_batch()
+        s, tok = self.s, self.s.tokenizer
+        rows, texts, encoded = self._next_prompts()
+        version = self.version
+        prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
+        outputs = self.llm.generate(prompts, self._sampling_params(), use_tqdm=False)
+        completions, logprobs = self._completions(outputs)
         recorded = (logprobs, None) if s.record_logprobs else None
         return self._score_groups(rows, encoded, completions, recorded, version)
