@@ -123,7 +123,7 @@ class ScriptedToolRollout:
         a, b = map(int, re.findall(r"(\d+) times (\d+)", text)[-1])
         if j % 2 == 0:
             return f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
-        return f"It is {a + b + j}."
+        return f"It is {a + b + 1}."  # the same in every odd place: a process generating part of a batch agrees
 
     def __call__(self, prompt_ids, images=None, multimodal_fields=None, num_generations=1, has_tool_images=False):
         completions, occurrence = [], {}

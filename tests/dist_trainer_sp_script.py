@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _tools  # noqa: E402
 import _trainer_utils  # noqa: E402
 import torch  # noqa: E402
 from _models import tiny_moe  # noqa: E402
@@ -64,6 +65,12 @@ CASES = {
     # the same vanilla training with the other layouts ("off" under SP is padding-free, as SP always packs)
     "vanilla:padding_free": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "padding_free"}, False),
     "vanilla:off": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"packing": "off"}, False),
+    # multi-turn tool rollouts (TRL's tool loop, `_tools.ScriptedToolRollout`): the replies masked in every shard
+    "tools": (
+        {"rollout_is": {"level": "token", "mode": "truncate", "upper": 2.0}},
+        {"max_tool_calling_iterations": 2, "max_completion_length": 160},
+        True,
+    ),
     # MoE routing replay (R2: the π_old pass's experts, gathered from the SP shards, replayed in the loss forward of
     # the off-policy second step, sharded as the row) on a tiny Qwen3-MoE; run by test_routing_replay.py only
     "moe:old_policy": ({"policy_loss_cfg": {"loss_type": "vanilla"}}, {"routing_replay": "old_policy"}, False),
@@ -88,6 +95,7 @@ PREFIXES = (
     "dynamic_sampling/",
     "packing/",
     "routing/",
+    "tools/",
 )
 
 
@@ -200,19 +208,28 @@ def main() -> None:
         )
         RecordingTrainer.packed_lengths = []
         dynamic = extra.get("dynamic_sampling", False)
-        trainer = RecordingTrainer(
-            tiny_moe(tok, "qwen3_moe", near_tied=False) if name.startswith("moe:") else make_model(tok),
-            [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
-            args=args,
-            train_dataset=make_dataset(),
-            eval_dataset=make_dataset(4) if name == "vanilla" else None,
-            processing_class=tok,
-        )
+        if name == "tools":
+            tool_tok = _tools.tool_tokenizer()
+            trainer = RecordingTrainer(
+                _tools.tool_model(tool_tok), _tools.reward_correct, args=args, train_dataset=_tools.dataset(),
+                processing_class=tool_tok, tools=[_tools.multiply],
+            )  # fmt: skip
+            trainer._generate_single_turn = _tools.ScriptedToolRollout(tool_tok, logprobs=True)
+        else:
+            trainer = RecordingTrainer(
+                tiny_moe(tok, "qwen3_moe", near_tied=False) if name.startswith("moe:") else make_model(tok),
+                [reward_length_or_constant] if dynamic else [reward_length, reward_digit],
+                args=args,
+                train_dataset=make_dataset(),
+                eval_dataset=make_dataset(4) if name == "vanilla" else None,
+                processing_class=tok,
+            )
         generator = FixedWithLogprobs if with_logprobs else FixedCompletions
         if dynamic:  # prompts are drawn again, on any rank: completions must not depend on how often one was seen
             generator = StatelessWithLogprobs if with_logprobs else StatelessCompletions
-        if with_logprobs is not None:  # None: HF generate itself
+        if with_logprobs is not None and name != "tools":  # None: HF generate itself
             trainer._generate_single_turn = generator(tok, trainer.max_completion_length)
+        initial = trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model))
         trainer.train()
         lengths = torch.tensor(RecordingTrainer.packed_lengths, dtype=torch.long)
         if trainer.accelerator.is_main_process:
@@ -222,6 +239,7 @@ def main() -> None:
             ]
             evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
             results["cases"][name] = {
+                "initial": initial,
                 "params": trainable_snapshot(trainer.accelerator.unwrap_model(trainer.model)),
                 "history": [h for h in history if h],
                 "eval_loss": evals,

@@ -200,3 +200,47 @@ def test_multi_turn_completion_is_one_sequence(tok, tmp_path):
     seq_rho = delta.sum(1).exp()
     assert float(is_metrics["rollout_is_acc/seq_weight_sum"]) == pytest.approx(float(seq_rho.sum()), rel=1e-5)
     assert float(is_metrics["rollout_is_acc/sequences"]) == labels.shape[0]
+
+
+@pytest.mark.parametrize("packing", ["padding_free", "off"])
+def test_every_packing_mode_makes_trls_update(tok, tmp_path, packing):
+    """The default test above packs with `shared_prefix` (turns sharing a prompt forwarded once); the other modes give
+    TRL's update too."""
+    _, before, trl_after = _train(tok, tmp_path, "trl", GRPOTrainer)
+    _, _, our_after = _train(tok, tmp_path, "ours", packing=packing)
+    assert max((trl_after[k] - before[k]).abs().max().item() for k in before) > 1e-3
+    assert max((trl_after[k] - our_after[k]).abs().max().item() for k in before) < TOLERANCE
+
+
+def reward_constant_for_some(completions, product, **kwargs):
+    """`reward_correct`, except one constant reward for the prompts whose product is 12 (no signal in that group)."""
+    correct = reward_correct(completions, product)
+    return [0.5 if p == 12 else r for r, p in zip(correct, product)]
+
+
+def test_dynamic_sampling_keeps_multi_turn_groups_whole(tok, tmp_path):
+    """Dynamic sampling with tool rollouts: groups without signal are dropped and regenerated; the kept groups'
+    tool masks stay aligned with their tokens (each kept row has its reply tokens masked)."""
+    args = RLLossGRPOConfig(output_dir=str(tmp_path / "ds"), dynamic_sampling=True,
+                            **{**BASE_ARGS, **OPTIONS, "max_steps": 2, "num_iterations": 1})  # fmt: skip
+    trainer = RLLossGRPOTrainer(tool_model(tok), reward_constant_for_some, args=args, train_dataset=dataset(),
+                                processing_class=tok, tools=[multiply])  # fmt: skip
+    trainer._generate_single_turn = ScriptedToolRollout(tok)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "dynamic_sampling/groups_generated" in h]
+    assert any(log["dynamic_sampling/groups_generated"] > log["dynamic_sampling/groups_kept"] for log in logs)
+    for batch in trainer._buffered_inputs:
+        text = [tok.decode(ids[m.bool()]) for ids, m in zip(batch["completion_ids"], batch["completion_mask"])]
+        replies = (batch["completion_mask"] == 1) & (batch["tool_mask"] == 0)
+        for row, t in enumerate(text):
+            assert ("<tool_response>" in t) == bool(replies[row].any())
+            if replies[row].any():
+                masked = tok.decode(batch["completion_ids"][row][replies[row]])
+                assert masked.startswith("<|im_start|>user\n<tool_response>") and "It is" not in masked
+
+
+def test_routing_replay_from_the_rollout_with_tools_is_refused(tok, tmp_path):
+    args = RLLossGRPOConfig(output_dir=str(tmp_path), routing_replay="rollout", **{**BASE_ARGS, **OPTIONS})
+    with pytest.raises(ValueError, match="routing_replay='rollout' with tools"):
+        RLLossGRPOTrainer(tool_model(tok), reward_correct, args=args, train_dataset=dataset(), processing_class=tok,
+                          tools=[multiply])  # fmt: skip

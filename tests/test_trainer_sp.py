@@ -88,10 +88,12 @@ def test_sequence_parallel_matches_one_process(runs, name):
     reference, result = runs("one"), runs(name)
     assert reference["world_size"] == 1 and result["world_size"] == RUNS[name][0]
     initial = _initial_params()
-    cases = {"vanilla", "gspo", "rollout_is_seq", "dynamic_sampling", "vanilla:padding_free", "vanilla:off"}
+    cases = {"vanilla", "gspo", "rollout_is_seq", "dynamic_sampling", "vanilla:padding_free", "vanilla:off", "tools"}
     assert reference["cases"].keys() == result["cases"].keys() == cases
     for case, ref in reference["cases"].items():
         got = result["cases"][case]
+        initial = ref["initial"]
+        assert all(torch.equal(initial[k], got["initial"][k]) for k in initial)
         # the one-process reference trains packed (packing's default, shared_prefix: docs/packing.md) unless off
         assert got["attn"] == "ulysses_sdpa" and ref["attn"] == ("sdpa" if case == "vanilla:off" else "tree_or_sdpa")
         moved = max((ref["params"][k] - initial[k]).abs().max().item() for k in initial)
@@ -121,6 +123,7 @@ def test_sequence_parallel_matches_one_process(runs, name):
     # odd packed lengths: the last SP shard is padded (padding-free rows here; tree rows in test_ulysses.py)
     assert any(n % 2 for case in result["cases"].values() for n in case["packed_lengths"])
     # every packing mode gives the same update under SP; shared prefixes forward fewer positions
+    initial = _initial_params()
     for mode in ("vanilla:padding_free", "vanilla:off"):
         diff = max(
             (result["cases"]["vanilla"]["params"][k] - result["cases"][mode]["params"][k]).abs().max() for k in initial
@@ -146,6 +149,11 @@ def test_sequence_parallel_matches_one_process(runs, name):
     first = [h for h in result["cases"]["dynamic_sampling"]["history"] if "loss" in h][0]
     assert first["dynamic_sampling/rounds"] > 1 and first["dynamic_sampling/groups_kept"] == 4, first
     assert "rollout_is/mean" in first
+    # multi-turn: half of the conversations called the tool; the replies' tokens are in the rows but not trained
+    first = [h for h in result["cases"]["tools"]["history"] if "loss" in h][0]
+    assert (
+        first["tools/call_frequency"] == 0.5 and first["packing/forwarded_tokens"] > first["train_policy/valid_tokens"]
+    )
 
 
 @pytest.mark.distributed

@@ -540,6 +540,11 @@ class RoutingReplayTrainer:
                 "routing_replay='rollout' records the experts chosen during HF generate; a rollout_func returns no "
                 "routed experts: use routing_replay='old_policy' or 'off'"
             )
+        if self._routing_mode == "rollout" and getattr(self, "tools", None):
+            raise ValueError(
+                "routing_replay='rollout' with tools/environment_factory: a conversation's later turns are separate "
+                "generate calls whose routes are not stitched into its sample; use routing_replay='old_policy'"
+            )
         if self._routing_mode == "rollout" and self._shares_prompts():
             logger.warning(
                 "shared_prompt_generation is set aside: routing_replay='rollout' records the routers during HF "
@@ -574,8 +579,8 @@ class RoutingReplayTrainer:
         return completion_ids, logprobs
 
     def _routing_rollout_routes(self, rows: int, prompt_length: int, completion_length: int) -> torch.Tensor | None:
-        """`(B, P + C, L, k)` routes of the generation batch from its first generate call (with tool calls, the later
-        turns' tokens and the tool results are routed live), or `None` when no call covered every row."""
+        """`(B, P + C, L, k)` routes of the generation batch from its first generate call (the only one: tool calls,
+        which would make more, are refused with this mode), or `None` when no call covered every row."""
         if self._routing_mode != "rollout":
             return None
         prompts = self._routing_generated[0][0] if self._routing_generated else []
