@@ -125,10 +125,13 @@ class _Record:
 
 @pytest.fixture(scope="module")
 def sync_run(tool_tok, tmp_path_factory):
+    return _sync_run(tool_tok, tmp_path_factory.mktemp("sync"), RL_LOSS)
+
+
+def _sync_run(tool_tok, out, rl_loss):
     """`RLLossGRPOTrainer` on the scripted tool rollouts, 3 steps of one prompt × 4: its generation batches, the
     prompts it drew (in order), and its parameters before and after."""
-    out = tmp_path_factory.mktemp("sync")
-    args = RLLossGRPOConfig(output_dir=str(out), rl_loss=RL_LOSS, **{**BASE_ARGS, **OPTIONS, "scale_rewards": "none"})
+    args = RLLossGRPOConfig(output_dir=str(out), rl_loss=rl_loss, **{**BASE_ARGS, **OPTIONS, "scale_rewards": "none"})
     trainer = RLLossGRPOTrainer(tool_model(tool_tok), reward_correct, args=args,
                                 train_dataset=Dataset.from_list(rows(PAIRS * 4)), processing_class=tool_tok,
                                 tools=[multiply])  # fmt: skip
@@ -143,8 +146,8 @@ def sync_run(tool_tok, tmp_path_factory):
     return recorder.batches, drawn, before, trainable_snapshot(trainer.model)
 
 
-def async_args(tmp_path, **options) -> RLLossAsyncGRPOConfig:
-    return RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss=RL_LOSS, **{**ASYNC_ARGS, **OPTIONS, **options})
+def async_args(tmp_path, rl_loss=RL_LOSS, **options) -> RLLossAsyncGRPOConfig:
+    return RLLossAsyncGRPOConfig(output_dir=str(tmp_path), rl_loss=rl_loss, **{**ASYNC_ARGS, **OPTIONS, **options})
 
 
 def _worker_samples(tool_policy, tool_tok, drawn, tmp_path) -> list[RolloutSample]:
@@ -182,9 +185,9 @@ def test_worker_builds_the_synchronous_trainers_rollouts(sync_run, tool_policy, 
     assert {s.metrics["tools/call_frequency"] for s in samples} == {0.0, 1.0}
 
 
-def _async_update(tool_policy, tool_tok, samples, tmp_path, **options):
+def _async_update(tool_policy, tool_tok, samples, tmp_path, rl_loss=RL_LOSS, **options):
     with portable_async_trl():
-        args = async_args(tmp_path, max_staleness=1, **options)
+        args = async_args(tmp_path, rl_loss, max_staleness=1, **options)
         trainer = RLLossAsyncGRPOTrainer(tool_policy, [], args, rows(PAIRS), tool_tok,
                                          rollout_worker=FixedRolloutWorker(samples),
                                          weight_transfer=NoWeightTransfer())  # fmt: skip
@@ -204,6 +207,19 @@ def test_async_trainer_on_multi_turn_samples_makes_the_synchronous_update(
     """At lag 0, on the worker's multi-turn samples (with the synchronous trainer's advantages), the asynchronous
     trainer's parameters after 3 steps equal the synchronous trainer's. With the tool replies' tokens marked trainable
     (a leak), they do not: the comparison sees the mask."""
+    _check_async_equals_sync(sync_run, tool_policy, tool_tok, tmp_path, leak, RL_LOSS)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_every_aggregation_mode_over_turns_as_the_synchronous_trainer(tool_policy, tool_tok, tmp_path, agg):
+    """The other aggregation modes (token-mean: the test above) see a conversation's turns as one sequence of model
+    tokens alike in both trainers."""
+    rl_loss = {**RL_LOSS, "loss_agg_mode": agg}
+    run = _sync_run(tool_tok, tmp_path / "sync", rl_loss)
+    _check_async_equals_sync(run, tool_policy, tool_tok, tmp_path, False, rl_loss)
+
+
+def _check_async_equals_sync(sync_run, tool_policy, tool_tok, tmp_path, leak, rl_loss):
     batches, drawn, before, sync_after = sync_run
     samples = _worker_samples(tool_policy, tool_tok, drawn, tmp_path / "worker")
     for k, sample in enumerate(samples):
@@ -213,7 +229,7 @@ def test_async_trainer_on_multi_turn_samples_makes_the_synchronous_update(
             sample.completion_mask = sample.completion_mask.copy()
             sample.completion_mask[int(np.argmax(sample.completion_mask)) :] = 1  # the replies too, the prompt not
     samples += samples[-4:]  # the dataloader's prefetch of a fourth step
-    trainer, our_before, our_after = _async_update(tool_policy, tool_tok, samples, tmp_path / "async")
+    trainer, our_before, our_after = _async_update(tool_policy, tool_tok, samples, tmp_path / "async", rl_loss=rl_loss)
     assert _max_diff(before, our_before) == 0.0
     assert _max_diff(sync_after, before) > 1e-3
     diff = _max_diff(sync_after, our_after)
