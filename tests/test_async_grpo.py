@@ -307,13 +307,17 @@ def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "option, value", [("vllm_server_base_url", "http://gpu:8000"), ("max_tool_calling_iterations", 3)]
+    "option, value, match",
+    [
+        ("vllm_server_base_url", "http://gpu:8000", "vllm_server_base_url=.* configures TRL's vLLM rollout worker"),
+        ("max_tool_calling_iterations", 3, "max_tool_calling_iterations=3 without tools or environment_factory"),
+    ],
 )
-def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option, value):
+def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option, value, match):
     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{option: value})
-    with pytest.raises(ValueError, match=f"{option}=.* configures TRL's vLLM rollout worker"):
+    with pytest.raises(ValueError, match=match):
         HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
 
 

@@ -358,9 +358,11 @@ class MultiTurnRollouts:
         host._batch_environments = names
         host._sync_tool_dicts, host._async_tool_dicts = tool_dicts, [{} for _ in prompts]
         host._generate_single_turn = lambda ids, images, fields, num_generations, **_: generate(ids, next(calls))
-        tool_mask, completions, completion_ids, logprobs, *_ = GRPOTrainer._tool_call_loop(
+        tool_mask, completions, completion_ids, logprobs, _, _, images = GRPOTrainer._tool_call_loop(
             host, copy.deepcopy(prompts), prompt_ids, completion_ids, completions, logprobs, None, {}
         )
+        if any(images):
+            raise ValueError("a tool replied with images: the asynchronous rollout workers are text-only")
         episodes = []
         for i, prompt in enumerate(prompts):
             episode = Episode(prompt, prompt_ids[i], completion_ids[i], tool_mask[i], logprobs[i], completions[i],
