@@ -399,6 +399,8 @@ def test_bad_tool_calls_are_named_counted_and_follow_the_policy(tool_policy, too
     samples, metrics = _errors(tool_policy, tool_tok, tmp_path / "fb", call, **options)
     assert len(samples) == 4
     assert sum(metrics[f"rollout/errors/{error.kind}_total"]) == 4
+    failures = 0.0 if case == "does not parse" else 1.0  # TRL's count: the call failed (none parsed: no call)
+    assert [s.metrics["tools/failure_frequency"] for s in samples] == [failures] * 4
     if case == "raises":
         assert "division by zero" in _tool_replies(samples[0], tool_tok)  # TRL's feed-back, as GRPOTrainer's
     if case == "hangs":

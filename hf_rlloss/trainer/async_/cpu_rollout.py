@@ -705,7 +705,7 @@ class _WorkerLoop:
             metrics.update({f"rewards/{name}": float(per_func[k, j]) for k, name in enumerate(names)})
             if self.multiturn is not None:
                 metrics["tools/call_frequency"] = float(e.tool_calls)
-                metrics["tools/failure_frequency"] = len(e.errors) / e.tool_calls if e.tool_calls else 0.0
+                metrics["tools/failure_frequency"] = e.tool_failures / e.tool_calls if e.tool_calls else 0.0
             p = len(e.prompt_ids)
             samples.append(
                 RolloutSample(

@@ -165,6 +165,12 @@ class Episode:
     tool_calls: int = 0
     errors: list[RolloutError] = dataclasses.field(default_factory=list)
     loop_exhausted: bool = False
+    unknown_tool_calls: int = 0
+
+    @property
+    def tool_failures(self) -> int:
+        """Tool calls that failed, as TRL counts them: the tool raised (or timed out), or no tool has the name."""
+        return self.unknown_tool_calls + sum(isinstance(e, (ToolRaisedError, ToolTimeoutError)) for e in self.errors)
 
     @property
     def turns(self) -> int:
@@ -387,6 +393,7 @@ class MultiTurnRollouts:
             for call in calls:
                 function = call.get("function") or {}
                 if call.get("type") != "function" or function.get("name") not in tools:
+                    episode.unknown_tool_calls += 1
                     episode.errors.append(
                         MalformedToolCallError(
                             f"the model called {function.get('name')!r}, not one of the tools {sorted(tools)}"
