@@ -102,6 +102,17 @@ def prompts_dataset(n: int = 8) -> Dataset:
     return Dataset.from_dict({"prompt": [f"p{i}" for i in range(n)]})
 
 
+# The loss of the synchronous/asynchronous parity tests: decoupled objective, token-level rollout IS truncated close to
+# 1 (so that it acts), k3 KL to the reference.
+PARITY_RL_LOSS = {
+    "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
+    "loss_agg_mode": "token-mean",
+    "use_kl_loss": True,
+    "kl_loss_type": "k3",
+    "kl_loss_coef": 0.05,
+    "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.02},
+}
+
 # The loss of the multi-process parity test: decoupled objective, token-level rollout IS, k3 KL to the reference.
 DIST_RL_LOSS = {
     "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _async import (
     ASYNC_ARGS,
+    PARITY_RL_LOSS,
     FixedRolloutWorker,
     NoWeightTransfer,
     fixed_samples,
@@ -121,14 +122,7 @@ def test_staleness_zero_equals_synchronous_trainer(policy, tok, tmp_path):
     """max_staleness=0 and the synchronous trainer's own completions: the decoupled objective (π_old from the no-grad
     pass, which on-policy equals the current policy), rollout IS against the sampler's log-probs and the KL to the
     reference give RLLossGRPOTrainer's parameters after 3 steps."""
-    rl_loss = {
-        "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
-        "loss_agg_mode": "token-mean",
-        "use_kl_loss": True,
-        "kl_loss_type": "k3",
-        "kl_loss_coef": 0.05,
-        "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.02},
-    }
+    rl_loss = PARITY_RL_LOSS
     sync_options = {**BASE_ARGS, **SGD, "scale_rewards": "none", "gradient_accumulation_steps": 1}
     sync_args = RLLossGRPOConfig(output_dir=str(tmp_path / "sync"), rl_loss=rl_loss, **sync_options)
     sync = RLLossGRPOTrainer(policy, [reward_length, reward_digit], args=sync_args, train_dataset=make_dataset(),

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _async import ASYNC_ARGS, FixedRolloutWorker, NoWeightTransfer
+from _async import ASYNC_ARGS, PARITY_RL_LOSS, FixedRolloutWorker, NoWeightTransfer
 from _tools import (
     PAIRS,
     MultiplyEnvironment,
@@ -54,14 +54,7 @@ from hf_rlloss.trainer.async_grpo_trainer import portable_async_trl
 torch.set_num_threads(1)
 
 TOLERANCE = 1e-6
-RL_LOSS = {
-    "policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
-    "loss_agg_mode": "token-mean",
-    "use_kl_loss": True,
-    "kl_loss_type": "k3",
-    "kl_loss_coef": 0.05,
-    "rollout_is": {"level": "token", "mode": "truncate", "upper": 1.02},
-}
+RL_LOSS = PARITY_RL_LOSS
 OPTIONS = dict(
     optim="sgd",
     learning_rate=0.05,
