@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .core import figure
+from .core import figure, table
 
 ANALYSIS = "staleness_v2/analysis.json"
 
@@ -19,3 +19,62 @@ def primary(r) -> str:
         f"differences had a standard deviation of {t['sd_diff']:.2f}, and the untrained policy scored "
         f"{data['untrained_accuracy']:.2f}"
     )
+
+
+def _interval(t: dict) -> str:
+    return f"{t['mean_diff']:+.3f} [{t['ci'][0]:+.3f}, {t['ci'][1]:+.3f}]"
+
+
+@table("staleness_v2.comparisons")
+def comparisons(r) -> str:
+    """The pre-registered comparisons: the primary first, then the five secondary ones with their Holm p-values."""
+    data = r(ANALYSIS)
+    rows = [
+        "| comparison | metric | lag | lr | seeds | mean difference [95 % CI] | t (df) | p | Holm p "
+        "| pooled McNemar p (supporting) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    primary = {**data["primary"], "name": "primary: C vs B, lag 8"}
+    for c in [primary, *data["secondary"]]:
+        t = c["paired_t"]
+        holm = f"{c['holm_p']:.3g}" if "holm_p" in c else "(primary: not corrected)"
+        mcnemar = f"{c['mcnemar_pooled']['p']:.2g}" if "mcnemar_pooled" in c else "–"
+        metric = "held-out accuracy" if c["metric"] == "heldout_accuracy" else "reward AUC"
+        rows.append(
+            f"| {c['name']} ({c['x']} − {c['y']}) | {metric} | {c['lag']} | {c['learning_rate']:g} | {t['n']} "
+            f"| {_interval(t)} | {t['t']:.2f} ({t['df']}) | {t['p']:.3g} | {holm} | {mcnemar} |"
+        )
+    return "\n".join(rows)
+
+
+@figure("staleness_v2.lag_reading")
+def lag_reading(r) -> str:
+    """The pre-registered reading of the lag curve: the smallest lag whose comparison rejects."""
+    data = r(ANALYSIS)
+    by_lag = {c["lag"]: c for c in data["secondary"] if c["metric"] == "heldout_accuracy" and c["x"] == "C"
+              and c["y"] == "B" and c["learning_rate"] == data["primary"]["learning_rate"]}  # fmt: skip
+    by_lag[data["primary"]["lag"]] = {**data["primary"], "holm_p": data["primary"]["paired_t"]["p"]}
+    rejecting = [lag for lag in sorted(by_lag) if by_lag[lag]["holm_p"] < 0.05]
+    parts = [f"lag {lag}: p = {by_lag[lag]['holm_p']:.3g}" for lag in sorted(by_lag)]
+    if not rejecting:
+        return f"no lag rejects ({'; '.join(parts)}, Holm-adjusted for lags 2 and 4)"
+    return f"lag {rejecting[0]} ({'; '.join(parts)}, Holm-adjusted for lags 2 and 4)"
+
+
+@table("staleness_v2.cells")
+def cells(r) -> str:
+    """Exploratory: each cell's mean held-out accuracy with its 95 % t interval over seeds, and training figures."""
+    data = r(ANALYSIS)
+    rows = [
+        f"| lag | arm | lr | seeds | held-out accuracy [95 % CI] | change from untrained "
+        f"({data['untrained_accuracy']:.3f}) | reward AUC | zero-loss steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for d in data["descriptives"]:
+        lo, hi = d["heldout_accuracy_ci"]
+        rows.append(
+            f"| {d['lag']} | {d['arm']} | {d['learning_rate']:g} | {len(d['seeds'])} "
+            f"| {d['heldout_accuracy_mean']:.3f} [{lo:.3f}, {hi:.3f}] | {d['change_from_untrained']:+.3f} "
+            f"| {d['reward_auc']:.3f} | {d['zero_loss_frac']:.2f} |"
+        )
+    return "\n".join(rows)
