@@ -1,9 +1,11 @@
 """Tool-calling pieces shared by the tool tests (`test_tool_rollouts.py`, `test_multiturn.py`): a byte tokenizer with
 Qwen's turn markers and a compact Qwen-style tool template (prefix-preserving), TRL's Qwen3 response parser, a tiny
-Qwen2, a `multiply` tool and environment, a reward, and scripted generation (`ScriptedToolRollout`)."""
+Qwen2, a `multiply` tool and environment, a reward, and scripted generation (`ScriptedToolRollout`); the overrides
+that shrink the agentic demo's recipe to a smoke run, and what such a run must leave (`check_calculator_run`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -145,3 +147,30 @@ class ScriptedWorkerLoop(_WorkerLoop):
 
     def _generate_ids(self, prompt_ids, seed):
         return ScriptedToolRollout(self.s.tokenizer, logprobs=True)(prompt_ids)
+
+
+TINY_CALCULATOR = [
+    "--model_name_or_path", "builtin:tiny-random", "--max_steps", "2", "--tool_warmup_steps", "2",
+    "--heldout_size", "4", "--heldout_samples", "2", "--dataset_size", "32", "--per_device_train_batch_size", "4",
+    "--num_generations", "2", "--max_completion_length", "48", "--bf16", "false", "--queue_maxsize", "4",
+]  # fmt: skip
+
+
+def check_calculator_run(out, stdout: str) -> None:
+    """What a run of the agentic demo must leave: the summary line with turns and held-out accuracy, per-item
+    held-out results before the warm-up, at step 0 and at the end, and the multi-turn metrics."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith("run summary:")]
+    pattern = (r"turns per episode \d\.\d\d \(first \d steps\) -> \d\.\d\d \(last \d steps\); held-out accuracy "
+               r"\(sampled, 2 per prompt, 4 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\); .*held-out accuracy "
+               r"before the tool warm-up \d\.\d\d")  # fmt: skip
+    assert re.search(pattern, line), line
+    heldout = json.loads((out / "heldout.json").read_text())
+    assert sorted(heldout) == ["step_0", "step_2", "untrained"]
+    for result in heldout.values():
+        assert len(result["items"]) == 4 and len(result["sampled"]["correct"]) == 4
+        assert len(result["greedy"]["correct"]) == 4 and result["accuracy"] == result["sampled"]["accuracy"]
+    assert (out / "tool_warmup" / "model.safetensors").exists()
+    logs = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    steps = [r for r in logs if "rewards/accuracy_reward" in r]
+    # the rollout process's metrics reach the log of the step that drains them
+    assert len(steps) == 2 and any("rollout/turns_mean" in r and "tools/call_frequency" in r for r in steps)

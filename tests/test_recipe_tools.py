@@ -1,17 +1,15 @@
 """Tool calling in the recipes (`hf_rlloss/recipe_support/tools.py`): the ChatML tool template, the warm-up's loss on
 the assistant's tokens only, the held-out evaluation of conversations, and the async recipe's validation."""
 
-import json
 import math
 import random
-import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from _tools import tool_model, tool_tokenizer
+from _tools import TINY_CALCULATOR, check_calculator_run, tool_model, tool_tokenizer
 from _trainer_utils import make_tokenizer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 
@@ -193,33 +191,6 @@ def test_async_recipe_refuses_tool_options_it_cannot_honour():
     with pytest.raises(ValueError, match="tool_warmup_steps=3"):
         grpo_async.AsyncScriptArguments(tool_warmup_steps=3)
     assert math.isclose(grpo_async.AsyncScriptArguments(tools=["add"]).tool_warmup_learning_rate, 5e-5)
-
-
-TINY_CALCULATOR = [
-    "--model_name_or_path", "builtin:tiny-random", "--max_steps", "2", "--tool_warmup_steps", "2",
-    "--heldout_size", "4", "--heldout_samples", "2", "--dataset_size", "32", "--per_device_train_batch_size", "4",
-    "--num_generations", "2", "--max_completion_length", "48", "--bf16", "false", "--queue_maxsize", "4",
-]  # fmt: skip
-
-
-def check_calculator_run(out: Path, stdout: str) -> None:
-    """What a run of the agentic demo must leave: the summary line with turns and held-out accuracy, per-item
-    held-out results before the warm-up, at step 0 and at the end, and the multi-turn metrics."""
-    (line,) = [line for line in stdout.splitlines() if line.startswith("run summary:")]
-    pattern = (r"turns per episode \d\.\d\d \(first \d steps\) -> \d\.\d\d \(last \d steps\); held-out accuracy "
-               r"\(sampled, 2 per prompt, 4 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\); .*held-out accuracy "
-               r"before the tool warm-up \d\.\d\d")  # fmt: skip
-    assert re.search(pattern, line), line
-    heldout = json.loads((out / "heldout.json").read_text())
-    assert sorted(heldout) == ["step_0", "step_2", "untrained"]
-    for result in heldout.values():
-        assert len(result["items"]) == 4 and len(result["sampled"]["correct"]) == 4
-        assert len(result["greedy"]["correct"]) == 4 and result["accuracy"] == result["sampled"]["accuracy"]
-    assert (out / "tool_warmup" / "model.safetensors").exists()
-    logs = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-    steps = [r for r in logs if "rewards/accuracy_reward" in r]
-    # the rollout process's metrics reach the log of the step that drains them
-    assert len(steps) == 2 and any("rollout/turns_mean" in r and "tools/call_frequency" in r for r in steps)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,6 +203,39 @@ def test_the_vllm_worker_samples_the_turns_after_a_tool_reply(policy_dir, tmp_pa
     assert after_reply > 0
 
 
+def test_the_agentic_demo_recipe_runs_with_the_vllm_worker(tmp_path):
+    """The agentic demo's recipe with `vllm_engine: true` (a tiny ChatML Llama in place of SmolLM2): the tool
+    warm-up, the held-out conversations, and training with VLLMRolloutWorker, whose engine really ran."""
+    _require_vllm()
+    import _launch
+    from _tools import TINY_CALCULATOR, check_calculator_run
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    policy = tmp_path / "chatml-policy"
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=False, **special_token_ids(tok),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(policy)
+    tok.save_pretrained(policy)
+    out = tmp_path / "out"
+    cmd = _launch.accelerate_launch(
+        HERE.parent / "accelerate_configs/single_process.yaml",
+        HERE.parent / "recipes/grpo_async.py",
+        *["--config", str(HERE.parent / "recipes/smollm2_135m/calculator/config_async.yaml")],
+        *TINY_CALCULATOR, "--model_name_or_path", str(policy), "--vllm_engine", "true", "--output_dir", str(out),
+    )  # fmt: skip
+    result = _launch.run(cmd, timeout=TIMEOUT_S, cwd=HERE.parent, stdout=True)
+    assert result.returncode == 0, result.stderr[-6000:]
+    check_calculator_run(out, result.stdout)
+    # the engine was built in the rollout process (its line states the engine's own context length)
+    assert re.search(r"VLLMRolloutWorker: vLLM [\d.]+\S* engine ready \(max_model_len=1024\)", result.stderr)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Refusals (no engine needed: these run in every environment)
 
@@ -272,6 +306,12 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
     )
     worker = VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled)
     assert worker._settings.loop_class.__name__ == "_VLLMWorkerLoop"  # what the spawned process runs
+    assert worker._settings.vllm["kv_cache_gib"] == 1  # the default, written as vLLM reads it: "1", not "1.0"
+    assert VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled, kv_cache_gib=2.0)._settings.vllm[
+        "kv_cache_gib"
+    ] == 2  # fmt: skip
+    with pytest.raises(ValueError, match=r"kv_cache_gib=1.5: a whole number of GiB >= 1"):
+        VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled, kv_cache_gib=1.5)
 
 
 def test_the_cpu_shim_keeps_plain_weights_for_linear_layers_only():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -35,14 +36,19 @@ class VLLMRolloutWorker(HFGenerateRolloutWorker):
     Args:
         max_model_len (`int`, *optional*): the engine's context length (prompt + completion); defaults to the
             model's.
-        kv_cache_gib (`float`, *optional*, defaults to `1.0`): on CPU, the engine's KV-cache size in GiB
-            (`VLLM_CPU_KVCACHE_SPACE`).
+        kv_cache_gib (`int`, *optional*, defaults to `1`): on CPU, the engine's KV-cache size in whole GiB
+            (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer).
 
     Under truncated sampling (top-k/top-p/min-p) vLLM reports log-probs on the sampled support only: set
     `rollout_logprobs_support="sampled"` (the trainer then renormalizes π_old over the replayed support).
     """
 
-    def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: float = 1.0, **kwargs: Any):
+    def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: int = 1, **kwargs: Any):
+        if isinstance(kv_cache_gib, float) and kv_cache_gib.is_integer():
+            kv_cache_gib = int(kv_cache_gib)
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
+            raise ValueError(f"kv_cache_gib={kv_cache_gib!r}: a whole number of GiB >= 1 (vLLM reads "
+                             "VLLM_CPU_KVCACHE_SPACE as an integer)")  # fmt: skip
         super().__init__(*args, **kwargs)
         s = self._settings
         if s.routing_replay == "rollout":
@@ -101,6 +107,12 @@ class _VLLMWorkerLoop(_WorkerLoop):
         eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
         self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(eos)]
         self.load_multiturn()
+        import vllm
+
+        # one line on the worker's stderr, with what only a built engine knows (its context length)
+        context = self.llm.llm_engine.model_config.max_model_len
+        print(f"VLLMRolloutWorker: vLLM {vllm.__version__} engine ready (max_model_len={context})", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     def _sampling_params(self, n: int | None = None, seed: int | None = None) -> Any:
         from vllm import SamplingParams
