@@ -174,3 +174,20 @@ def check_calculator_run(out, stdout: str) -> None:
     steps = [r for r in logs if "rewards/accuracy_reward" in r]
     # the rollout process's metrics reach the log of the step that drains them
     assert len(steps) == 2 and any("rollout/turns_mean" in r and "tools/call_frequency" in r for r in steps)
+
+
+def run_calculator_recipe(root, out, *args: str, timeout: float = 480):
+    """The agentic demo's recipe, shrunk by `TINY_CALCULATOR` (and `args`), launched with one process into `out`;
+    fails with the launch's stderr unless it exits 0, and returns its `CompletedProcess` (stdout captured)."""
+    import _launch
+
+    cmd = _launch.accelerate_launch(
+        root / "accelerate_configs/single_process.yaml",
+        root / "recipes/grpo_async.py",
+        *["--config", str(root / "recipes/smollm2_135m/calculator/config_async.yaml"), "--output_dir", str(out)],
+        *TINY_CALCULATOR,
+        *args,
+    )
+    result = _launch.run(cmd, timeout=timeout, cwd=root, env={"HF_RLLOSS_CACHE": str(out) + "-cache"}, stdout=True)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return result

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tools import TINY_CALCULATOR, check_calculator_run, tool_model, tool_tokenizer
+from _tools import check_calculator_run, run_calculator_recipe, tool_model, tool_tokenizer
 from _trainer_utils import make_tokenizer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 
@@ -195,15 +195,6 @@ def test_async_recipe_refuses_tool_options_it_cannot_honour():
 
 @pytest.mark.slow
 def test_the_agentic_demo_recipe_runs_end_to_end(tmp_path):
-    import _launch
-
     out = tmp_path / "out"
-    cmd = _launch.accelerate_launch(
-        ROOT / "accelerate_configs/single_process.yaml",
-        ROOT / "recipes/grpo_async.py",
-        *["--config", str(ROOT / "recipes/smollm2_135m/calculator/config_async.yaml"), "--output_dir", str(out)],
-        *TINY_CALCULATOR,
-    )
-    result = _launch.run(cmd, timeout=480, cwd=ROOT, env={"HF_RLLOSS_CACHE": str(tmp_path / "cache")}, stdout=True)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_calculator_recipe(ROOT, out)
     check_calculator_run(out, result.stdout)

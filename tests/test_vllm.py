@@ -207,8 +207,7 @@ def test_the_agentic_demo_recipe_runs_with_the_vllm_worker(tmp_path):
     """The agentic demo's recipe with `vllm_engine: true` (a tiny ChatML Llama in place of SmolLM2): the tool
     warm-up, the held-out conversations, and training with VLLMRolloutWorker, whose engine really ran."""
     _require_vllm()
-    import _launch
-    from _tools import TINY_CALCULATOR, check_calculator_run
+    from _tools import check_calculator_run, run_calculator_recipe
     from transformers import LlamaConfig, LlamaForCausalLM
 
     policy = tmp_path / "chatml-policy"
@@ -223,14 +222,8 @@ def test_the_agentic_demo_recipe_runs_with_the_vllm_worker(tmp_path):
     LlamaForCausalLM(config).float().save_pretrained(policy)
     tok.save_pretrained(policy)
     out = tmp_path / "out"
-    cmd = _launch.accelerate_launch(
-        HERE.parent / "accelerate_configs/single_process.yaml",
-        HERE.parent / "recipes/grpo_async.py",
-        *["--config", str(HERE.parent / "recipes/smollm2_135m/calculator/config_async.yaml")],
-        *TINY_CALCULATOR, "--model_name_or_path", str(policy), "--vllm_engine", "true", "--output_dir", str(out),
-    )  # fmt: skip
-    result = _launch.run(cmd, timeout=TIMEOUT_S, cwd=HERE.parent, stdout=True)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = run_calculator_recipe(HERE.parent, out, "--model_name_or_path", str(policy), "--vllm_engine", "true",
+                                   timeout=TIMEOUT_S)  # fmt: skip
     check_calculator_run(out, result.stdout)
     # the engine was built in the rollout process (its line states the engine's own context length)
     assert re.search(r"VLLMRolloutWorker: vLLM [\d.]+\S* engine ready \(max_model_len=1024\)", result.stderr)
