@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _full_matrix import slow_launch
 from _tools import check_calculator_run, run_calculator_recipe, tool_model, tool_tokenizer
 from _trainer_utils import make_tokenizer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
@@ -193,7 +194,7 @@ def test_async_recipe_refuses_tool_options_it_cannot_honour():
     assert math.isclose(grpo_async.AsyncScriptArguments(tools=["add"]).tool_warmup_learning_rate, 5e-5)
 
 
-@pytest.mark.slow
+@slow_launch  # about a minute and a half on 2 cores: run by .ci/run, outside the default suite
 def test_the_agentic_demo_recipe_runs_end_to_end(tmp_path):
     out = tmp_path / "out"
     result = run_calculator_recipe(ROOT, out)
