@@ -16,6 +16,8 @@ training problems and the held-out operand pairs), with the demo model from the 
 (`HF_RLLOSS_DEMO_MODEL=wheel`, the model every documented figure used). The held-out accuracy is evaluated greedily
 at step 0 (untrained) and at the last step of the same run, on the same items. Seeds run one after the other on the
 whole machine; each seed's row is written as soon as it ends, so an interrupted sweep keeps what it finished.
+`--add` resumes such a sweep: it keeps the rows of `--out` for the seeds not asked for, and each new row carries its
+own `meta` (machine, date, command, commit), since it may come from another machine or another day.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--demo", choices=sorted(DEMOS), default="arithmetic")
     parser.add_argument("--accelerate", default="accelerate", help="the launcher (another environment's)")
     parser.add_argument("--plot", help="write the per-seed curves to this PNG")
+    parser.add_argument(
+        "--add", action="store_true", help="keep --out's rows for the other seeds (an interrupted sweep, resumed)"
+    )
     args = parser.parse_args(argv)
     overrides = dict(item.split("=", 1) for item in args.set)
     out = ROOT / args.out
@@ -165,15 +170,30 @@ def main(argv: list[str] | None = None) -> None:
         },
         "runs": [],
     }
+    if args.add:
+        result = added_to(json.loads(out.read_text()), result, args.seeds)
     for seed in args.seeds:
         row = run_seed(seed, ROOT / args.runs_dir, overrides, args.demo, args.accelerate)
+        if args.add:
+            row["meta"] = provenance(command + " --add")
         print(row["summary"], flush=True)
-        result["runs"].append(row)
+        result["runs"] = sorted([*result["runs"], row], key=lambda run: run["seed"])
         result["aggregate"] = aggregate(result["runs"])
         out.write_text(json.dumps(result, indent=1) + "\n")
         if args.plot:
             plot(result, ROOT / args.plot)
     print(json.dumps(result["aggregate"], indent=1))
+
+
+def added_to(existing: dict, new: dict, seeds: list[int]) -> dict:
+    """`existing` (a results file) with its rows for `seeds` removed, for a sweep resumed with `--add`; refused when
+    the two runs' demo commands differ, since their rows would not measure the same thing."""
+    if existing["meta"]["demo_command"] != new["meta"]["demo_command"]:
+        raise SystemExit(
+            f"--add: the results file was measured with {existing['meta']['demo_command']!r}, "
+            f"not {new['meta']['demo_command']!r}; write a new file instead"
+        )
+    return existing | {"runs": [run for run in existing["runs"] if run["seed"] not in seeds]}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -1,6 +1,7 @@
 """One home per figure: every measured number on a user page is rendered from a results file (`benchmarks/figures/`),
 and the check that enforces it fails on a stale, unknown or unbacked figure."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -89,3 +90,21 @@ def test_a_table_names_the_machine_date_and_command_of_its_sources():
     meta = core.meta_of(core.Results()("demo_seeds.json"))
     last = text.splitlines()[-1]
     assert last.startswith("Source: `results/demo_seeds.json`") and meta["date"] in last and meta["command"] in last
+
+
+def test_rows_added_to_a_sweep_name_their_own_provenance(tmp_path, monkeypatch):
+    import demo_seeds
+
+    monkeypatch.setattr(core, "RESULTS", tmp_path)
+    first = {"meta": {"machine": "m1", "date": "2026-12-04", "command": "sweep 0 1", "demo_command": "d"}}
+    kept = demo_seeds.added_to(first | {"runs": [{"seed": 0}, {"seed": 1}]}, {"meta": {"demo_command": "d"}}, [1])
+    assert kept["runs"] == [{"seed": 0}] and kept["meta"] == first["meta"]
+    with pytest.raises(SystemExit, match="--add: the results file was measured with 'd'"):
+        demo_seeds.added_to(first | {"runs": []}, {"meta": {"demo_command": "other"}}, [1])
+
+    later = {"machine": "m2", "date": "2026-12-05", "command": "sweep 1 --add"}
+    (tmp_path / "a.json").write_text(json.dumps(kept | {"runs": [{"seed": 0}, {"seed": 1, "meta": later}]}))
+    line = core.provenance_line(["a.json"])
+    assert line == (
+        "Source: `results/a.json`: m1, 2026-12-04, `sweep 0 1`; its seed 1: m2, 2026-12-05, `sweep 1 --add`."
+    )

@@ -132,6 +132,12 @@ def provenance_line(sources: list[str]) -> str:
     for name in sources:
         meta = meta_of(Results()(name))
         parts.append(f"`results/{name}`: {machine_text(meta)}, {meta.get('date')}, `{meta.get('command')}`")
+        data = Results()(name)
+        for run in data.get("runs", []) if isinstance(data, dict) else []:  # rows added later (`--add`)
+            if isinstance(run, dict) and isinstance(run.get("meta"), dict):
+                added = run["meta"]
+                when = f"{machine_text(added)}, {added.get('date')}, `{added.get('command')}`"
+                parts[-1] += f"; its seed {run.get('seed')}: {when}"
     return "Source: " + "; ".join(parts) + "."
 
 
