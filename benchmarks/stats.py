@@ -2,7 +2,7 @@
 the standard library only (SciPy is not a dependency of the project; `tests/test_stats.py` compares with it where it
 is installed).
 
-    from stats import paired_t, mcnemar, holm
+    from stats import paired_t, mcnemar, holm, format_p
     paired_t([0.50, 0.47, 0.55, 0.52], [0.45, 0.46, 0.48, 0.50])   # per-seed accuracies of two arms, same seeds
     mcnemar(both=120, only_x=31, only_y=18, neither=87)             # paired 0/1 items: the 2 × 2 table
     holm([0.01, 0.04, 0.03])                                        # -> [0.03, 0.06, 0.06]
@@ -60,8 +60,18 @@ def t_cdf(t: float, df: int) -> float:
 
 
 def t_sf_two_sided(t: float, df: int) -> float:
-    """P(|T| ≥ |t|) = 2 (1 − P(T ≤ |t|))."""
+    """P(|T| ≥ |t|) = 2 (1 − P(T ≤ |t|)): exact to about 1e-15 absolute (the subtraction), so a p below `P_FLOOR`
+    is an upper bound, not a value (`format_p` writes it as one)."""
     return 2 * (1 - t_cdf(abs(t), df))
+
+
+P_FLOOR = 1e-10
+
+
+def format_p(p: float) -> str:
+    """`p = 0.0073` (two significant digits), or `p < 1e-10` below `P_FLOOR`, where `t_sf_two_sided`'s value is
+    round-off."""
+    return f"p < {P_FLOOR:.0e}" if p < P_FLOOR else f"p = {p:.2g}"
 
 
 def t_quantile(p: float, df: int) -> float:

@@ -173,3 +173,10 @@ def test_against_scipy():
     lam = 0.04 * math.sqrt(12) / 0.05
     power = scipy_stats.nct.sf(c, nu, lam) + scipy_stats.nct.cdf(-c, nu, lam)
     assert stats.paired_t_power(0.04, 0.05, 12) == pytest.approx(power, abs=1e-6)
+
+
+def test_a_p_value_below_the_round_off_of_one_minus_the_cdf_is_written_as_a_bound():
+    # t = 17.84 on 63 df: the true two-sided p is about 1e-25, below what 1 − CDF can resolve in float64.
+    assert stats.t_sf_two_sided(17.84, 63) < stats.P_FLOOR
+    assert stats.format_p(stats.t_sf_two_sided(17.84, 63)) == "p < 1e-10"
+    assert stats.format_p(stats.t_sf_two_sided(2.0, 10)) == "p = 0.073"  # 0.07339 (hand: 2 × (1 − 0.963306))

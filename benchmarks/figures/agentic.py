@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stats import paired_t
+from stats import format_p, paired_t
 
 from .core import table
 
@@ -53,7 +53,7 @@ def seeds(r) -> str:
         t = paired_t(x, y)
         rows.append(
             f"Held-out gain of GRPO, paired over {t['n']} {label}: {t['mean_diff']:+.3f} (95 % CI "
-            f"{t['ci'][0]:+.3f} to {t['ci'][1]:+.3f}), t({t['df']}) = {t['t']:.2f}, p = {t['p']:.2g}."
+            f"{t['ci'][0]:+.3f} to {t['ci'][1]:+.3f}), t({t['df']}) = {t['t']:.2f}, {format_p(t['p'])}."
         )
         rows.append("")
     return "\n".join(rows).rstrip()
