@@ -22,7 +22,7 @@ def _rows(data: dict) -> list[str]:
             f"| {run['turns_first']:.2f} → {run['turns_last']:.2f} "
             f"| {h['untrained']['accuracy']:.2f} | {h['step_0']['accuracy']:.2f} → {h[last]['accuracy']:.2f} "
             f"| {h['step_0']['greedy']['accuracy']:.2f} → {h[last]['greedy']['accuracy']:.2f} "
-            f"| {run['wall_s'] / 60:.1f} min |"
+            f"| {run['wall_s'] / 60:.1f} min ({run['load_average_at_start'][0]:.1f}) |"
         )
     return rows
 
@@ -30,7 +30,7 @@ def _rows(data: dict) -> list[str]:
 HEADER = [
     "| seed | accuracy reward, first 8 → last 8 steps | assistant turns per episode, first 8 → last 8 steps "
     "| held-out, untrained | held-out, after the warm-up → after GRPO | held-out greedy, after the warm-up → after "
-    "GRPO | run |",
+    "GRPO | run (1-min load average at its start) |",
     "|---|---|---|---|---|---|---|",
 ]
 
