@@ -81,7 +81,10 @@ class GRPOScriptArguments(ScriptArguments):
 def load_data(script_args: GRPOScriptArguments, seed: int) -> datasets.DatasetDict:
     if script_args.dataset_name == ARITHMETIC:  # "train", and "test": operand pairs never in "train"
         return arithmetic_splits(
-            script_args.dataset_size, script_args.heldout_size, seed=seed, max_operand=script_args.max_operand,
+            script_args.dataset_size,
+            script_args.heldout_size,
+            seed=seed,
+            max_operand=script_args.max_operand,
             min_operand=script_args.min_operand,
         )
     raw = datasets.load_dataset(script_args.dataset_name, script_args.dataset_config)
