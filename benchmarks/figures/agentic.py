@@ -7,6 +7,7 @@ from stats import format_p, paired_t
 from .core import table
 
 SEEDS = "agentic_demo_seeds.json"
+VLLM = "agentic_demo_vllm.json"
 
 
 def _last_step(run: dict) -> str:
@@ -35,11 +36,9 @@ HEADER = [
 ]
 
 
-@table("agentic_demo.seeds")
-def seeds(r) -> str:
+def _per_seed_with_gain(data: dict) -> str:
     """Per seed, then the held-out gain of GRPO (after − before, sampled accuracy) with its 95 % interval: paired over
     seeds, and paired over items pooled across seeds (each seed draws its own held-out problems)."""
-    data = r(SEEDS)
     rows = HEADER + _rows(data)
     runs = data["runs"]
     before = [run["heldout"]["step_0"]["accuracy"] for run in runs]
@@ -57,3 +56,15 @@ def seeds(r) -> str:
         )
         rows.append("")
     return "\n".join(rows).rstrip()
+
+
+@table("agentic_demo.seeds")
+def seeds(r) -> str:
+    """The demo with the HF-generate worker (`HFGenerateRolloutWorker`)."""
+    return _per_seed_with_gain(r(SEEDS))
+
+
+@table("agentic_demo.vllm")
+def vllm(r) -> str:
+    """The same recipe with `--vllm_engine true` (`VLLMRolloutWorker`, vLLM's CPU build), in the vLLM environment."""
+    return _per_seed_with_gain(r(VLLM))
