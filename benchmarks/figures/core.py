@@ -130,9 +130,9 @@ def provenance_problems(name: str) -> list[str]:
 def provenance_line(sources: list[str]) -> str:
     parts = []
     for name in sources:
-        meta = meta_of(Results()(name))
-        parts.append(f"`results/{name}`: {machine_text(meta)}, {meta.get('date')}, `{meta.get('command')}`")
         data = Results()(name)
+        meta = meta_of(data)
+        parts.append(f"`results/{name}`: {machine_text(meta)}, {meta.get('date')}, `{meta.get('command')}`")
         for run in data.get("runs", []) if isinstance(data, dict) else []:  # rows added later (`--add`)
             if isinstance(run, dict) and isinstance(run.get("meta"), dict):
                 added = run["meta"]
