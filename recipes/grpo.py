@@ -211,6 +211,17 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         os._exit(0)
 
 
+def cpu_run_notice(use_cpu: bool, cuda_available: bool) -> str | None:
+    """The first line of a run that trains on the CPU (`use_cpu: true`) although a CUDA GPU is there, saying how to
+    train on the GPU; `None` otherwise."""
+    if not (use_cpu and cuda_available):
+        return None
+    return (
+        "note: this run trains on the CPU (use_cpu: true) although a CUDA GPU is available; to train on the GPU, add "
+        '--use_cpu false (the demo: make demo ARGS="--use_cpu false", or config_demo_gpu.yaml)'
+    )
+
+
 def parse_args(argv: list[str] | None = None, types: tuple[type, ...] | None = None):
     """Parse `--config` YAML and flags; an unknown key is an error naming it, its close matches and the valid keys.
     `types` defaults to this recipe's (`GRPOScriptArguments`, `RLLossGRPOConfig`, `ModelConfig`)."""
@@ -227,6 +238,9 @@ def parse_args(argv: list[str] | None = None, types: tuple[type, ...] | None = N
     if from_cli:
         raise ValueError(f"unexpected argument(s) {from_cli}: pass options as --key value")
     script_args, training_args = parsed[0], parsed[1]
+    for key in ("load_in_4bit", "load_in_8bit"):  # TRL's ModelConfig fields; this recipe builds no quantization config
+        if getattr(parsed[2], key, False):
+            raise ValueError(f"{key}: quantized loading is not supported by this recipe (QLoRA is not tested)")
     if needs_float32_fallback(training_args.bf16, training_args.use_cpu, script_args.cpu_bf16_fallback):
         # Parsed again with bf16 off, so that the config resolves its precision (and the launcher's) from the start
         print(FALLBACK_NOTE.format(capability=torch.backends.cpu.get_cpu_capability()), file=sys.stderr, flush=True)
@@ -242,4 +256,7 @@ if __name__ == "__main__":
     except ValueError as err:  # bad input: a clear message, not a stack trace
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    notice = cpu_run_notice(args[1].use_cpu, torch.cuda.is_available())
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     main(*args)

@@ -20,15 +20,20 @@ from typing import Any, ClassVar
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
+from .async_.cpu_rollout import check_weight_lag
 from .common.routing_replay import ROUTING_REPLAY_MODES
-from .grpo_config import parse_rl_loss, validate_rl_loss
+from .grpo_config import parse_rl_loss, refuse_quantized_loading, validate_rl_loss
 
 __all__ = [
     "DEFAULT_ROLLOUT_IS",
     "RLLossAsyncGRPOConfig",
+    "SCALE_REWARDS",
     "TREE_ATTENTION_BACKENDS",
     "async_trl_options_to_rl_loss",
 ]
+
+# TRL's `GRPOConfig.scale_rewards` values: the group advantage divided by the group's std, the batch's, or not divided
+SCALE_REWARDS = ("group", "batch", "none")
 
 # "auto": TRL's FlashAttention-3 kernel on CUDA when `kernels` is installed, else hf_rlloss' exact SDPA tree attention
 TREE_ATTENTION_BACKENDS = ("auto", "fa3", "sdpa")
@@ -105,11 +110,22 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         max_consecutive_empty_steps (`int`, *optional*, defaults to `8`):
             Liveness bound. An optimizer step with no trained token (every sample too stale when trained, or every
             completion empty) is skipped (no optimizer step, counted in `async/skipped_empty_steps_total`); this many
-            such steps in a row stop training with `NoTrainableSamplesError`, and so do `queue_maxsize` + this many
-            steps' worth of consecutive samples dropped as too stale when pulled. A run that can only drop samples
-            (a rollout worker further behind than `max_staleness`, a policy that only emits EOS) then fails in
-            seconds instead of spinning for ever; the queue's content plus 8 steps is more than a pause (a
-            checkpoint, an evaluation) makes stale in a healthy run, where an empty step is rare and isolated.
+            such steps in a row stop training with `NoTrainableSamplesError`, and so do `queue_maxsize` + the worker's
+            batch + this many steps' worth of consecutive samples dropped as too stale when pulled. A run that can
+            only drop samples (a rollout worker further behind than `max_staleness`, a policy that only emits EOS)
+            then fails in seconds instead of spinning for ever; the queue's content plus 8 steps is more than a
+            pause (a checkpoint, an evaluation) makes stale in a healthy run, where an empty step is rare and isolated.
+            hf_rlloss' rollout workers stop with `NoRolloutSamplesError` after this many optimizer steps' worth of
+            consecutive prompt groups dropped (`on_rollout_error="drop"`).
+        scale_rewards (`str` or `bool`, *optional*, defaults to `"group"`):
+            How hf_rlloss' rollout workers scale a group's advantages, with `GRPOConfig.scale_rewards`' meanings
+            (`True` is `"group"`, `False` is `"none"`): the reward minus the group's mean, divided by the group's
+            standard deviation + 1e-4 (`"group"`), by the standard deviation of the worker's batch + 1e-4
+            (`"batch"`), or not divided (`"none"`); TRL's unbiased standard deviation, as in the synchronous trainer.
+            (TRL's own asynchronous vLLM worker divides by the population standard deviation + 1e-8.)
+
+    Refused at construction: a configuration under which samples can only be too stale to train
+    (`ceil(num_mini_batches / weight_sync_steps) > max_staleness`: `cpu_rollout.least_trained_lag`).
 
     The validated loss configuration is `config.rl_loss_config`.
     """
@@ -160,8 +176,16 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         default=8,
         metadata={
             "help": "Stop with NoTrainableSamplesError after this many consecutive optimizer steps without a trained "
-            "token (all samples too stale, or all completions empty), or queue_maxsize + this many steps' worth of "
-            "consecutive samples dropped as too stale."
+            "token (all samples too stale, or all completions empty), or queue_maxsize + a worker batch + this many "
+            "steps' worth of consecutive samples dropped as too stale; hf_rlloss' workers stop after this many steps' "
+            "worth of consecutive groups dropped by on_rollout_error='drop'."
+        },
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Advantage scaling of hf_rlloss' rollout workers, as GRPOConfig.scale_rewards: 'group' (the "
+            "group's std), 'batch' (the worker batch's std) or 'none'."
         },
     )
     allow_uncorrected_staleness: bool = field(
@@ -206,7 +230,12 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             )
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards={self.scale_rewards!r}: allowed values are {SCALE_REWARDS} (or a bool)")
         super().__post_init__()
+        check_weight_lag(0, self)
+        refuse_quantized_loading(self.model_init_kwargs)
         self.rl_loss = parse_rl_loss(self.rl_loss)
         self.rl_loss_config = self._build_rl_loss_config()
         if self.behavior_as_old_policy and self.rl_loss_config.rollout_is.enabled:

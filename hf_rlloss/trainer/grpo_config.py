@@ -227,6 +227,30 @@ def validate_rl_loss(loss_config_class: type[BaseRLLossConfig], data: dict[str, 
         raise ValueError(f"invalid rl_loss: {err}") from None
 
 
+QUANTIZED_LOADING_KEYS = ("load_in_4bit", "load_in_8bit")
+
+
+def refuse_quantized_loading(model_init_kwargs: dict[str, Any] | None, field_name: str = "model_init_kwargs") -> None:
+    """Refuse `load_in_4bit` / `load_in_8bit` by name: transformers 5 no longer takes them as `from_pretrained`
+    keywords (the model's `__init__` fails on them), and QLoRA with the loss layer is not tested.
+
+    Example:
+
+    ```python
+    >>> refuse_quantized_loading({"load_in_4bit": True})
+    Traceback (most recent call last):
+    ValueError: model_init_kwargs['load_in_4bit']=True is not supported: ...
+    ```
+    """
+    for key in QUANTIZED_LOADING_KEYS:
+        if (model_init_kwargs or {}).get(key):
+            raise ValueError(
+                f"{field_name}[{key!r}]={model_init_kwargs[key]!r} is not supported: quantized loading "
+                f"({', '.join(QUANTIZED_LOADING_KEYS)}) is not tested with the loss layer, which reads the LM head's "
+                "weight directly. Load the model in bf16 (dtype: bfloat16), with LoRA for a small memory footprint"
+            )
+
+
 def precision_mismatch_warning(
     user_bf16: bool | None, fp16: bool, resolved: str, accelerate_mixed_precision: str | None
 ) -> str | None:
@@ -472,6 +496,7 @@ class RLLossGRPOConfig(GRPOConfig):
         )
         if mismatch:
             warnings.warn(mismatch, UserWarning, stacklevel=3)
+        refuse_quantized_loading(self.model_init_kwargs)
         self.rl_loss = parse_rl_loss(self.rl_loss)
         if self.rollout_logprobs_support not in ("full", "sampled"):
             raise ValueError(f"rollout_logprobs_support={self.rollout_logprobs_support!r} must be 'full' or 'sampled'")

@@ -1,0 +1,177 @@
+"""`make gpu-check` (`scripts/gpu_check.py`) without a GPU: the plan it would run, each step's command parsed by that
+step's own argument parser; what it says and writes without CUDA; the results file of a step with its provenance.
+Also what the GPU user is told: the demo's GPU config, the CPU-run notice, and quantized loading refused by name."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load("gpu_check", ROOT / "scripts" / "gpu_check.py")
+colocate = _load("gpu_vllm_colocate", ROOT / "scripts" / "gpu_vllm_colocate.py")
+
+
+def test_the_plan_is_parsed_by_each_steps_own_parser():
+    steps = {step.name: step for step in gpu_check.plan()}
+    assert list(steps) == ["cuda_tests", "loss_step_cuda", "demo_step_cuda", "vllm_colocate_cuda"]
+    parsed = {name: gpu_check.parse_with_own_parser(step) for name, step in steps.items()}
+    assert parsed["cuda_tests"].markexpr == "gpu" and parsed["cuda_tests"].file_or_dir == ["tests/test_gpu.py"]
+    assert parsed["cuda_tests"].xmlpath.endswith("cuda_tests.xml")
+    loss = parsed["loss_step_cuda"]
+    assert (loss.device, loss.dtype, loss.vocab, loss.repeats) == ("cuda", "bf16", [151936], 3)
+    assert "trl_chunked" in loss.methods and loss.out.endswith("loss_step_cuda.json")
+    demo = parsed["demo_step_cuda"]
+    assert (demo.demo, demo.steps) == (gpu_check.DEMO_GPU_CONFIG, 2) and demo.out.endswith("demo_step_cuda.json")
+    assert parsed["vllm_colocate_cuda"].trainers == ["hf_rlloss", "trl"]
+    assert sum(step.timeout_s for step in steps.values()) >= gpu_check.BUDGET_S  # the budget, not the caps, binds
+
+
+@pytest.mark.parametrize("step_name, bad", [("loss_step_cuda", "--dtype-x"), ("cuda_tests", "--junitxmll")])
+def test_a_command_its_parser_refuses_fails_the_dry_run(step_name, bad):
+    step = next(s for s in gpu_check.plan() if s.name == step_name)
+    argv = tuple(bad if a in ("--dtype", "--junitxml") else a for a in step.argv)
+    with pytest.raises((SystemExit, pytest.UsageError)):
+        gpu_check.parse_with_own_parser(gpu_check.Step(**{**step.__dict__, "argv": argv}))
+
+
+def test_the_gpu_demo_config_is_the_demo_on_the_gpu():
+    demo = yaml.safe_load((ROOT / "recipes/smollm2_135m/arithmetic/config_demo.yaml").read_text())
+    gpu = yaml.safe_load((ROOT / gpu_check.DEMO_GPU_CONFIG).read_text())
+    assert (demo.pop("use_cpu"), gpu.pop("use_cpu")) == (True, False)
+    assert gpu.pop("output_dir") != demo.pop("output_dir")
+    assert gpu == demo  # every other key equal: one step of it measures the demo's settings
+    script_args, training_args, _ = gpu_check.parse_demo_config(cuda=torch.cuda.is_available())
+    assert training_args.use_cpu is False and script_args.dataset_name == "builtin:arithmetic"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+def test_without_cuda_it_says_so_prints_the_plan_and_exits_0(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "results")
+    assert gpu_check.main([]) == 0
+    out = capsys.readouterr().out
+    assert "[gpu-check] no CUDA device (torch" in out and "nothing to run, nothing written" in out
+    assert all(f"{i}. {s.name}:" in out for i, s in enumerate(gpu_check.plan(), 1))
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_step_writes_its_results_file_with_provenance(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "results")
+    raw = tmp_path / "raw.json"
+    code = f"import json; json.dump({{'rows': [1.5]}}, open({str(raw)!r}, 'w'))"
+    step = gpu_check.Step("fake", "a fake step", ("python", "-c", code), "n/a", raw.name, 60)
+    meta = gpu_check.provenance("python scripts/gpu_check.py --only fake", sys.executable)
+    line = gpu_check.run_step(step, sys.executable, sys.executable, 100, meta, tmp_path)
+    assert line == {"step": "fake", "status": "passed", "file": str(tmp_path / "results" / "fake.json")}
+    written = json.loads((tmp_path / "results" / "fake.json").read_text())
+    assert written["result"] == {"rows": [1.5]} and written["returncode"] == 0 and written["wall_s"] >= 0
+    assert written["command"].startswith("python -c ")
+    m = written["meta"]
+    assert len(m["git_commit"]) == 40 and isinstance(m["git_tree_changed"], bool)
+    assert m["versions"]["torch"] == torch.__version__
+    assert {"transformers", "trl", "accelerate", "vllm"} <= set(m["versions"])
+    assert {"torch_cuda", "cuda_available", "nvidia_smi"} <= set(m["gpu"]) and m["machine"]["cores"] >= 1
+    assert m["command"] == "python scripts/gpu_check.py --only fake" and m["date_utc"]
+    assert written["load_average_before"] is not None
+
+
+def test_a_failing_step_is_recorded_failed_with_its_log(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "results")
+    step = gpu_check.Step("boom", "fails", ("python", "-c", "raise SystemExit('broken on purpose')"), "n/a", "x", 60)
+    line = gpu_check.run_step(step, sys.executable, sys.executable, 100, {}, tmp_path)
+    written = json.loads((tmp_path / "results" / "boom.json").read_text())
+    assert line["status"] == written["status"] == "failed" and "broken on purpose" in written["log_tail"]
+
+
+def test_the_vllm_step_without_vllm_is_skipped_saying_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(gpu_check, "vllm_importable", lambda python: False)
+    step = next(s for s in gpu_check.plan() if s.needs_vllm)
+    line = gpu_check.run_step(step, sys.executable, "/envs/vllm/bin/python", 100, {}, tmp_path)
+    written = json.loads((tmp_path / "results" / f"{step.name}.json").read_text())
+    assert line["status"] == "skipped" and "/envs/vllm/bin/python cannot import vllm" in written["reason"]
+
+
+def test_the_junit_summary_counts_each_outcome(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="t" name="a" time="1.5"/>'
+        '<testcase classname="t" name="b" time="0"><skipped message="needs kernels"/></testcase>'
+        '<testcase classname="t" name="c" time="2"><failure message="1e-3 &gt; 1e-5"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = gpu_check.junit_summary(xml)
+    assert summary["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert summary["tests"][1] == {"test": "t::b", "outcome": "skipped", "seconds": 0.0, "message": "needs kernels"}
+
+
+def test_the_vllm_colocate_check_finds_missing_steps_and_metrics():
+    good = {"loss": 0.1, "mismatch/mismatch_k3_kl": 0.01}
+    assert colocate.check({"hf_rlloss": {"steps": [good] * 3}, "trl": {"steps": [{"loss": 0.2}] * 3}}, 3) == []
+    problems = colocate.check({"hf_rlloss": {"steps": [{"loss": float("nan")}]}, "trl": {"returncode": 1}}, 3)
+    assert problems == [
+        "hf_rlloss: 1 logged steps, expected 3",
+        "hf_rlloss: a non-finite loss",
+        "trl: 0 logged steps, expected 3",
+        "hf_rlloss: the mismatch metrics of vLLM's log-probs were not logged",
+    ]
+
+
+@pytest.mark.parametrize("trainer", colocate.TRAINERS)
+def test_the_vllm_colocate_arguments_are_valid_configs(trainer, tmp_path):
+    from trl import GRPOConfig
+
+    from hf_rlloss import RLLossGRPOConfig
+
+    args = colocate._arguments(trainer, 3, str(tmp_path), 0.3)
+    assert args["use_vllm"] and args["vllm_mode"] == "colocate" and not args["use_cpu"]
+    cpu = {**args, "use_cpu": True, "bf16": False}  # constructed here without a GPU
+    config = (GRPOConfig if trainer == "trl" else RLLossGRPOConfig)(**cpu)
+    if trainer == "hf_rlloss":
+        assert config.rl_loss_config.rollout_is.enabled and not config.vllm_importance_sampling_correction
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What the GPU user is told
+
+
+def test_the_recipe_says_it_trains_on_the_cpu_when_a_gpu_is_there():
+    grpo = _load("grpo_recipe", ROOT / "recipes" / "grpo.py")
+    notice = grpo.cpu_run_notice(use_cpu=True, cuda_available=True)
+    assert "trains on the CPU (use_cpu: true) although a CUDA GPU is available" in notice
+    assert "--use_cpu false" in notice and "config_demo_gpu.yaml" in notice
+    assert grpo.cpu_run_notice(use_cpu=True, cuda_available=False) is None
+    assert grpo.cpu_run_notice(use_cpu=False, cuda_available=True) is None
+
+
+@pytest.mark.parametrize("key", ["load_in_4bit", "load_in_8bit"])
+def test_quantized_loading_is_refused_by_name(key, tmp_path):
+    from hf_rlloss import RLLossGRPOConfig
+    from hf_rlloss.trainer import RLLossAsyncGRPOConfig
+
+    for cls in (RLLossGRPOConfig, RLLossAsyncGRPOConfig):
+        with pytest.raises(ValueError, match=rf"model_init_kwargs\['{key}'\]=True is not supported"):
+            cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, model_init_kwargs={key: True})
+    grpo = _load("grpo_recipe", ROOT / "recipes" / "grpo.py")
+    config = str(ROOT / "recipes/tiny/arithmetic/config_smoke.yaml")
+    with pytest.raises(ValueError, match=rf"{key}: quantized loading is not supported by this recipe"):
+        grpo.parse_args(["--config", config, f"--{key}", "true"])
+
+
+def test_argparse_is_left_as_it_was():
+    assert argparse.ArgumentParser.parse_known_args.__qualname__ == "ArgumentParser.parse_known_args"
