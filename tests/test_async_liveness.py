@@ -4,7 +4,8 @@
   so in `async/skipped_empty_steps_total`.
 * `max_consecutive_empty_steps` such steps in a row, or `queue_maxsize` + that many steps' worth of samples dropped
   as too stale in a row, stop training with `NoTrainableSamplesError` instead of spinning.
-* A `weight_lag` under which every sample would be too stale when trained is refused when the worker is built.
+* A configuration under which samples can only be too stale when trained is refused at construction (the region
+  itself: `test_async_staleness_region.py`).
 * The CPU worker trains a completion up to its first EOS, as TRL's completion mask: nothing generate pads after it.
 """
 
@@ -87,14 +88,15 @@ def test_consecutive_empty_steps_stop_training(policy, tok, tmp_path):
 
 
 def test_samples_all_too_stale_stop_training(policy, tok, tmp_path):
-    """Every sample 100 versions old: each is dropped when pulled; after queue_maxsize + max_consecutive_empty_steps
-    steps' worth (4 + 2 × 4 samples) training stops with a named error, in well under TRL's 5 s poll (without the
+    """Every sample 100 versions old: each is dropped when pulled; after queue_maxsize + a worker batch (a group, for
+    a worker that does not say) + max_consecutive_empty_steps steps' worth (4 + 4 + 2 × 4 samples) training stops
+    with a named error, in well under TRL's 5 s poll (without the
     bound the trainer pulls and drops for as long as the worker produces)."""
     samples = fixed_samples(6, version=-100)
     trainer = _trainer(policy, tok, tmp_path, samples, max_steps=2, max_staleness=1, queue_maxsize=4,
                        max_consecutive_empty_steps=2)  # fmt: skip
     start = time.monotonic()
-    with pytest.raises(NoTrainableSamplesError, match=r"the last 12 samples .* were all too stale to train"):
+    with pytest.raises(NoTrainableSamplesError, match=r"the last 16 samples .* were all too stale to train"):
         trainer.train()
     assert time.monotonic() - start < 4.0
 
@@ -102,18 +104,12 @@ def test_samples_all_too_stale_stop_training(policy, tok, tmp_path):
 @pytest.mark.parametrize(
     "weight_lag, options, match",
     [
-        (
-            1,
-            {"max_staleness": 1},
-            r"weight_lag=1 with max_staleness=1: .* at least 2 versions old .* 0 <= weight_lag <= 0",
-        ),
-        (2, {"max_staleness": 1}, r"weight_lag=2 with max_staleness=1: .* at least 3 versions old"),
-        (
-            5,
-            {"max_staleness": 4},
-            r"weight_lag=5 with max_staleness=4: .* 0 <= weight_lag <= 3, or max_staleness >= 6",
-        ),
-        (3, {"max_staleness": 2, "gradient_accumulation_steps": 2}, r"at least 3 versions old .* weight_lag <= 2"),
+        (1, {"max_staleness": 1}, r"weight_lag=1, .* max_staleness=1: .* = 1 \+ 1 = 2 versions .* weight_lag <= 0"),
+        (2, {"max_staleness": 1}, r"weight_lag=2, .* max_staleness=1: .* = 3 versions"),
+        (5, {"max_staleness": 4}, r"weight_lag=5, .* = 6 versions .* max_staleness >= 6, or weight_lag <= 3"),
+        (3, {"max_staleness": 2, "gradient_accumulation_steps": 2}, r"= 4 versions .* weight_lag <= 1"),
+        (1, {"max_staleness": 1, "weight_sync_steps": 2}, r"weight_sync_steps=2, .* = 2 versions"),
+        (1, {"max_staleness": 2, "num_mini_batches": 2}, r"num_mini_batches=2 .* = 1 \+ 2 = 3 versions"),
         (-1, {}, r"weight_lag=-1 must be an integer >= 0"),
     ],
 )
@@ -125,11 +121,17 @@ def test_weight_lag_that_can_only_drop_samples_is_refused(policy, tok, tmp_path,
 
 @pytest.mark.parametrize(
     "weight_lag, options",
-    [(0, {"max_staleness": 1}), (2, {"max_staleness": 3}), (1, {"max_staleness": 1, "weight_sync_steps": 2})],
-)
+    [(0, {"max_staleness": 1}), (2, {"max_staleness": 3}), (0, {"max_staleness": 1, "weight_sync_steps": 2}),
+     (1, {"max_staleness": 2, "weight_sync_steps": 2, "gradient_accumulation_steps": 2})],
+)  # fmt: skip
 def test_weight_lag_that_can_train_is_accepted(policy, tok, tmp_path, weight_lag, options):
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **{**ASYNC_ARGS, **options})
     HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, weight_lag=weight_lag)
+
+
+def test_mini_batches_that_can_only_drop_samples_are_refused_by_the_config(tmp_path):
+    with pytest.raises(ValueError, match=r"num_mini_batches=2 with max_staleness=1: .* = 0 \+ 2 = 2 versions"):
+        RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **{**ASYNC_ARGS, "max_staleness": 1, "num_mini_batches": 2})
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])

@@ -525,7 +525,10 @@ class RLLossAsyncGRPOTrainer(AsyncRoutingReplay, LossLayerForwards, AsyncGRPOTra
                 * self.args.gradient_accumulation_steps
                 * self.accelerator.num_processes
             )
-            dataset.stale_limit = self.args.queue_maxsize + self.args.max_consecutive_empty_steps * per_step
+            # the samples that may be stale in a row after a weight sync in a run that trains: the queue's, the
+            # worker's batch being put (sampled before the sync), then `max_consecutive_empty_steps` steps' worth
+            batch = getattr(self.rollout_worker, "samples_per_batch", self.args.num_generations)
+            dataset.stale_limit = self.args.queue_maxsize + batch + self.args.max_consecutive_empty_steps * per_step
         return dataloader
 
     def _version_at_pull(self) -> int:
