@@ -168,7 +168,7 @@ def test_fixed_lag_bad_input_on_the_worker(policy, tok, tmp_path, worker_kwargs,
     "worker_kwargs, options, match",
     [
         ({"groups_per_batch": 2}, {}, r"one rollout batch per optimizer step: .* = 8 samples, .* = 4"),
-        ({}, {"num_mini_batches": 2}, r"fixed_lag=1 < num_mini_batches=2"),
+        ({}, {"num_mini_batches": 2, "max_staleness": 2}, r"fixed_lag=1 < num_mini_batches=2"),
     ],
 )
 def test_fixed_lag_bad_input_on_the_trainer(policy, tok, tmp_path, worker_kwargs, options, match):
