@@ -152,7 +152,7 @@ def test_every_emitted_key_is_declared_and_every_logged_key_documented():
         off_policy_mask_threshold=0.5,
         entropy_coef=0.01,
         top_entropy_quantile=0.5,
-        rollout_is={"mode": "both", "upper": 2.0, "veto_lower": 1e-4},
+        rollout_is={"mode": "both", "upper": 2.0, "veto_lower": 1e-4, "m2_threshold": 0.5},
     )
     data = {"shifted_labels": labels, "advantages": torch.tensor([1.0, -1.0]), "old_logprobs": old}
     data.update(ref_logprobs=old - 0.1, rollout_logprobs=old + 0.05, rollout_kept_logmass=torch.zeros(2, 4))

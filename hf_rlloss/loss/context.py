@@ -20,14 +20,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.collectives import all_reduce, is_distributed, world_size
+from ..parallel.collectives import all_gather_1d, all_reduce, is_distributed, world_size
 from ..parallel.sequence import sp_group, sp_rank, sp_split, sp_world_size
 from .aggregation import aggregation_weights
 from .chunked_logprobs import chunked_logprobs, chunked_objective
 from .fields import CHECKED_FOR_NONFINITE, DATA_FIELDS, LOSS_FIELDS, PER_TOKEN, TOKEN_FIELDS
 from .kl import kl_penalty
-from .metrics import TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
+from .metrics import M2_ACC, M2_TOKENS, TRAIN_POLICY, VALID_TOKENS, accumulate_metrics, neutral_metrics
 from .rollout_is import compute_rollout_is
+from .second_moment import m2_keep_bound
 from .trl_metrics import K3_TYPES, trl_features
 from .trl_metrics import chunk_metrics as trl_chunk_metrics
 from .trl_metrics import finish as finish_trl_metrics
@@ -577,6 +578,8 @@ class GRPOLossContext(BaseRLLossContext):
             ctx._handle_nonfinite(i)
             if cfg.use_kl_loss and ctx.loss_kwargs.ref_logprobs is None:
                 raise ValueError(f"use_kl_loss=True but {ctx._name(i)} has no ref_logprobs")
+        if cfg.rollout_is.m2_threshold is not None:
+            cls._second_moment_mask(contexts, cfg.rollout_is.m2_threshold, process_group)
 
         # Valid tokens of each whole sequence: a sequence split over SP ranks is counted on all of its shards.
         counts = [
@@ -636,6 +639,42 @@ class GRPOLossContext(BaseRLLossContext):
             sequence_agg = cfg.agg_mode != "token-mean"
             ctx.trl_policy_loss_scale = len(contexts) / step_fraction if sequence_agg else 1.0
         return contexts
+
+    @staticmethod
+    def _second_moment_mask(contexts: list[BaseRLLossContext], threshold: float, process_group) -> None:
+        """M2PO: reject the step's tokens with the largest `δ² = (log π_old − log μ)²` until the mean over the kept
+        ones, on every micro-batch and rank, is ≤ `threshold` (`hf_rlloss.loss.second_moment`; one all-gather)."""
+        deltas = []
+        for i, ctx in enumerate(contexts):
+            kwargs = ctx.loss_kwargs
+            if kwargs.old_logprobs is None or kwargs.rollout_logprobs is None:
+                raise ValueError(
+                    f"rollout_is.m2_threshold needs old_logprobs and rollout_logprobs; {ctx._name(i)} lacks "
+                    f"{'old_logprobs' if kwargs.old_logprobs is None else 'rollout_logprobs'}"
+                )
+            old = (
+                kwargs.old_logprobs
+                if kwargs.old_kept_logmass is None
+                else kwargs.old_logprobs - kwargs.old_kept_logmass
+            )
+            deltas.append((old.double() - kwargs.rollout_logprobs.double()).square())  # (B, T)
+        local = torch.cat([delta_sq[ctx.mask] for delta_sq, ctx in zip(deltas, contexts)])
+        bound = m2_keep_bound(all_gather_1d(local, process_group), threshold)
+        for ctx, delta_sq in zip(contexts, deltas):
+            mask = ctx.mask
+            values = delta_sq[mask]  # (N,)
+            kept = values <= bound
+            ctx._drop_tokens(mask & (delta_sq > bound))
+            ctx.pending_metrics = accumulate_metrics(
+                ctx.pending_metrics,
+                {
+                    M2_TOKENS: torch.tensor(float(values.numel()), dtype=torch.float64),
+                    M2_ACC + "sum": values.sum(),
+                    M2_ACC + "kept_sum": values[kept].sum(),
+                    M2_ACC + "kept_tokens": kept.sum().double(),
+                    M2_ACC + "masked_tokens": (~kept).sum().double(),
+                },
+            )
 
     def _fold_rollout_is_per_sequence(self, seq_counts: torch.Tensor) -> None:
         """Replace token-level rollout IS weights by one weight per sequence, their geometric mean over the valid

@@ -113,6 +113,9 @@ IS_MASK_TOKENS = ROLLOUT_IS_ACC + "mask_tokens"
 IS_VALID_TOKENS = ROLLOUT_IS_ACC + "valid_tokens"
 IS_SEQUENCES = ROLLOUT_IS_ACC + "sequences"
 IS_NONFINITE_TOKENS = ROLLOUT_IS_ACC + "nonfinite_tokens"
+# The accumulators of M2PO's second-moment mask (`rollout_is.m2_threshold`, `hf_rlloss.loss.second_moment`).
+M2_ACC = ROLLOUT_IS_ACC + "m2_"
+M2_TOKENS = M2_ACC + "tokens"
 
 
 def _tp(name: str, reduction: Reduction, logged: str | None, meaning: str, **fields: Any) -> MetricSpec:
@@ -281,6 +284,25 @@ _SPECS = [
         SUM,
         "valid tokens with a NaN/±inf old or rollout log-prob (rejected)",
         "rollout_is/nonfinite_tokens",
+    ),
+    MetricSpec(
+        M2_TOKENS, SUM, "valid tokens the second-moment mask ranked (`m2_threshold` set)", counts="ranked tokens"
+    ),
+    _is("m2_sum", SUM, "rollout_is/m2", "`δ_t²` before the second-moment mask: the step's M₂", M2_TOKENS),
+    _is(
+        "m2_kept_sum",
+        SUM,
+        "rollout_is/m2_kept",
+        "`δ_t²` of the tokens the second-moment mask kept: ≤ `m2_threshold`",
+        M2_ACC + "kept_tokens",
+    ),
+    MetricSpec(M2_ACC + "kept_tokens", SUM, "tokens the second-moment mask kept", counts="kept tokens"),
+    _is(
+        "m2_masked_tokens",
+        SUM,
+        "rollout_is/m2_masked_fraction",
+        "share of ranked tokens rejected by the second-moment mask (M2PO)",
+        M2_TOKENS,
     ),
     _is(
         "rejected_tokens",

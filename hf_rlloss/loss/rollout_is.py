@@ -95,12 +95,18 @@ class RolloutImportanceSampling(BaseModel):
             > `veto_lower`. Unset: no upper veto.
         truncate_lower (`bool`, *optional*, defaults to `False`): truncation clamps to `[lower, upper]` instead of
             only to `upper` (verl TIS). `True` reproduces XTuner v1.
+        m2_threshold (`float`, *optional*): M2PO's second-moment trust region τ > 0 (the paper uses 0.04): before the
+            step's denominators are counted, the tokens with the largest `δ_t²` are rejected until the mean `δ²` of
+            the step's kept tokens, over every micro-batch and rank, is at most τ (`hf_rlloss.loss.second_moment`).
+            Token-wise at every level; needs `upper` (the kept tokens are weighted as configured: the paper's
+            untruncated ratio is `upper` large, e.g. 1000). Unset: no second-moment mask.
 
     Example:
 
     ```python
     >>> RolloutImportanceSampling(level="token", mode="truncate", upper=2.0)  # TIS, w = min(ρ, 2)
     >>> RolloutImportanceSampling(level="geometric", mode="mask", lower=0.5, upper=2.0, veto_lower=1e-4)
+    >>> RolloutImportanceSampling(level="token", upper=1000.0, m2_threshold=0.04)  # M2PO
     >>> RolloutImportanceSampling()  # metrics only
     ```
     """
@@ -116,15 +122,19 @@ class RolloutImportanceSampling(BaseModel):
     veto_lower: float | None = None
     veto_upper: float | None = None
     truncate_lower: bool = False
+    m2_threshold: float | None = None
 
     @model_validator(mode="after")
     def _validate(self) -> RolloutImportanceSampling:
+        if self.m2_threshold is not None and self.m2_threshold <= 0:
+            raise ValueError(f"m2_threshold={self.m2_threshold} must be > 0 (a bound on the mean squared log-ratio)")
         for name in ("lower", "upper", "mask_lower", "mask_upper", "veto_lower", "veto_upper"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name}={value} must be > 0 (it bounds a ratio of probabilities)")
         if self.upper is None:
-            needs = [n for n in ("lower", "mask_lower", "mask_upper", "veto_lower", "veto_upper") if getattr(self, n)]
+            names = ("lower", "mask_lower", "mask_upper", "veto_lower", "veto_upper", "m2_threshold")
+            needs = [n for n in names if getattr(self, n)]
             if needs:
                 raise ValueError(
                     f"{', '.join(needs)} set without upper: set upper to turn rollout IS on, or unset them for "
