@@ -144,7 +144,9 @@ def async_args(tmp_path, rl_loss=RL_LOSS, **options) -> RLLossAsyncGRPOConfig:
 
 
 def _worker_samples(tool_policy, tool_tok, drawn, tmp_path) -> list[RolloutSample]:
-    loop = worker_loop(tool_policy, tool_tok, async_args(tmp_path), dataset=rows(drawn), tools=[multiply])
+    """The worker's samples of the prompts `drawn`, scaled as the synchronous run (`scale_rewards="none"`)."""
+    args = async_args(tmp_path, scale_rewards="none")
+    loop = worker_loop(tool_policy, tool_tok, args, dataset=rows(drawn), tools=[multiply])
     return [sample for _ in drawn for sample in loop._generate_batch()]
 
 
@@ -172,8 +174,7 @@ def test_worker_builds_the_synchronous_trainers_rollouts(sync_run, tool_policy, 
             multi_turn += int((mask == 0).any())
         rewards = np.array([s.metrics["reward"] for s in samples[4 * step : 4 * step + 4]])
         advantages = np.array([s.advantage for s in samples[4 * step : 4 * step + 4]])
-        assert np.allclose(advantages, (rewards - rewards.mean()) / (rewards.std() + 1e-8))
-        assert np.allclose(rewards - rewards.mean(), batch["advantages"].numpy(), atol=1e-6)  # scale_rewards="none"
+        assert np.allclose(advantages, batch["advantages"].numpy(), atol=1e-6)  # both scale_rewards="none"
     assert multi_turn == 2 * len(batches)  # half of each group called the tool
     assert {s.metrics["tools/call_frequency"] for s in samples} == {0.0, 1.0}
 

@@ -28,7 +28,9 @@ import contextlib
 import dataclasses
 import math
 import os
+import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -47,13 +49,14 @@ from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel, SharedFlag
-from .multiturn import AgentSpec, Episode, MultiTurnRollouts, prepare_tokenizer
+from .multiturn import AgentSpec, Episode, MultiTurnRollouts, NonFiniteRewardError, prepare_tokenizer
 from .routing import sample_routes
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
     "HFGenerateRolloutWorker",
+    "NoRolloutSamplesError",
     "QueueWeightTransfer",
     "RolloutWorkerDiedError",
     "VLLM_ONLY_OPTIONS",
@@ -66,6 +69,11 @@ __all__ = [
 
 class RolloutWorkerDiedError(RuntimeError):
     """The rollout process exited (killed, crashed) or raised; the message names it, its exit code or traceback."""
+
+
+class NoRolloutSamplesError(RuntimeError):
+    """The rollout worker makes no trainable sample: every prompt group of `max_dropped_groups` in a row was dropped
+    by `on_rollout_error="drop"` (the message counts them by kind)."""
 
 
 # AsyncGRPOConfig options that configure TRL's vLLM worker and mean nothing to HF `generate` in a process of its own
@@ -81,17 +89,27 @@ def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == name)
 
 
-def group_advantages(rewards: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """`(G,)` advantages of one group's summed rewards as TRL's async worker computes them: `(r − mean) / (std +
-    1e-8)` (population std) over the scorable completions, 0 for a completion every reward function skipped (NaN).
-    Also the group's reward mean and std (NaN when nothing was scorable)."""
+def _nanstd(values: np.ndarray) -> float:
+    """TRL's `nanstd`: the unbiased standard deviation of the finite values (0 with fewer than two)."""
+    values = values[~np.isnan(values)]
+    return float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def group_advantages(rewards: np.ndarray, scale_rewards: str = "group", batch_std: float | None = None):
+    """`(G,)` advantages of one group's summed rewards as TRL's `GRPOTrainer` computes them: `r − mean`, divided by
+    `std + 1e-4` (TRL's unbiased std: the group's under `"group"`, `batch_std` under `"batch"`; not divided under
+    `"none"`), over the scorable completions; 0 for a completion every reward function skipped (NaN). Also the
+    group's reward mean and std (NaN when nothing was scorable)."""
     scored = ~np.isnan(rewards)
     advantages = np.zeros_like(rewards)
     if not scored.any():
         return advantages, float("nan"), float("nan")
     values = rewards[scored]
-    advantages[scored] = (values - values.mean()) / (values.std() + 1e-8)
-    return advantages, float(values.mean()), float(values.std())
+    std = _nanstd(values)
+    advantages[scored] = values - values.mean()
+    if scale_rewards != "none":
+        advantages[scored] /= (std if scale_rewards == "group" else batch_std) + 1e-4
+    return advantages, float(values.mean()), std
 
 
 def batch_seed(seed: int, first_group: int) -> int:
@@ -137,6 +155,8 @@ class _Settings:
     agent: AgentSpec | None = None  # tools / environments: multi-turn rollouts (`async_/multiturn.py`)
     max_completion_length: int = 0
     max_model_len: int = 0
+    scale_rewards: str = "group"  # TRL's meanings (`group_advantages`)
+    max_dropped_groups: int = 0  # consecutive groups dropped by `on_rollout_error="drop"` before the worker stops
 
 
 class HFGenerateRolloutWorker:
@@ -228,6 +248,19 @@ class HFGenerateRolloutWorker:
         if not rows or ("prompt" not in rows[0] and agent.environment_factory is None):
             raise ValueError("HFGenerateRolloutWorker needs a dataset with a 'prompt' column")
         funcs = list(reward_funcs or [])
+        for k, func in enumerate(funcs):  # sent to the process: refused here, by name, rather than at `start`
+            try:
+                pickle.dumps(func)
+            except Exception as error:
+                name = getattr(func, "__qualname__", repr(func))
+                raise TypeError(
+                    f"reward_funcs[{k}] ({name}) is sent to the rollout process and must be picklable (a module-level "
+                    f"function or class, not a lambda or a closure): {type(error).__name__}: {error}"
+                ) from error
+        scale_rewards = {True: "group", False: "none"}.get(getattr(args, "scale_rewards", "group"), None)
+        scale_rewards = scale_rewards or getattr(args, "scale_rewards", "group")
+        if scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards={scale_rewards!r}: allowed values are ('group', 'batch', 'none')")
         self.records_logprobs = record_logprobs
         routing_replay = getattr(args, "routing_replay", "off")
         self.records_routes = routing_replay == "rollout"  # read by RLLossAsyncGRPOTrainer
@@ -280,6 +313,9 @@ class HFGenerateRolloutWorker:
             agent=agent if agent.enabled else None,
             max_completion_length=args.max_completion_length,
             max_model_len=max_model_len,
+            scale_rewards=scale_rewards,
+            max_dropped_groups=getattr(args, "max_consecutive_empty_steps", 8)
+            * max(1, samples_per_step // args.num_generations),
         )
         self.agent = self._settings.agent  # read by RLLossAsyncGRPOTrainer
         self.fixed_lag = fixed_lag
@@ -351,14 +387,15 @@ class HFGenerateRolloutWorker:
             return
         self._heartbeat.value = time.time()
         self._settings.parent_pid = os.getpid()
-        self._process = self._ctx.Process(
+        process = _ProcessDyingWithParent(
             target=_worker_main,
             args=(self._settings, self.rollout_buffer, self.metrics_queue, self.weights, self._stop,
                   self._ready, self._failed, self._errors, self._heartbeat),
             name="hf-generate-rollout-worker",
             daemon=True,
         )  # fmt: skip
-        self._process.start()
+        process.start()  # raises (a pickling error, ...) before anything is left to join or stop
+        self._process = process
         self.rollout_buffer.close_writer()  # the worker holds the write end now: its death is an end of file here
         deadline = time.monotonic() + self._ready_timeout
         while not self._ready.wait(timeout=0.5):
@@ -452,6 +489,79 @@ class QueueWeightTransfer:
 # The worker process
 
 
+# Run first in the spawned interpreter, before it unpickles (and so imports) anything: the OS is asked to SIGKILL the
+# process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`), and a parent already gone ends it at once. Without
+# it a trainer killed while its worker imports torch, transformers and TRL (seconds) would leave the worker running
+# until `_exit_with_parent`'s watch starts.
+_DIE_WITH_PARENT = """import os, sys
+if sys.platform.startswith("linux"):
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+if os.getppid() != {parent}:
+    os._exit(3)
+"""
+
+
+def _die_with_parent(command: list[str], parent_pid: int) -> list[str]:
+    """The spawn command line (`[python, ..., "-c", program, ...]`) with `_DIE_WITH_PARENT` before its program."""
+    command = list(command)
+    i = command.index("-c") + 1
+    command[i] = _DIE_WITH_PARENT.format(parent=parent_pid) + command[i]
+    return command
+
+
+def _popen_dying_with_parent():
+    """`multiprocessing`'s spawn `Popen`, its child's command line prefixed by `_DIE_WITH_PARENT` (its `_launch` is
+    the standard library's, but for that line)."""
+    import io
+    from multiprocessing import popen_spawn_posix, reduction, spawn, util
+    from multiprocessing.context import set_spawning_popen
+
+    class Popen(popen_spawn_posix.Popen):
+        def _launch(self, process_obj):
+            from multiprocessing import resource_tracker
+
+            tracker_fd = resource_tracker.getfd()
+            self._fds.append(tracker_fd)
+            prep_data = spawn.get_preparation_data(process_obj._name)
+            fp = io.BytesIO()
+            set_spawning_popen(self)
+            try:
+                reduction.dump(prep_data, fp)
+                reduction.dump(process_obj, fp)
+            finally:
+                set_spawning_popen(None)
+            parent_r = child_w = child_r = parent_w = None
+            try:
+                parent_r, child_w = os.pipe()
+                child_r, parent_w = os.pipe()
+                cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+                cmd = _die_with_parent(cmd, os.getpid())
+                self._fds.extend([child_r, child_w])
+                self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+                self.sentinel = parent_r
+                with open(parent_w, "wb", closefd=False) as f:
+                    f.write(fp.getbuffer())
+            finally:
+                self.finalizer = util.Finalize(self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd])
+                for fd in (child_r, child_w):
+                    if fd is not None:
+                        os.close(fd)
+
+    return Popen
+
+
+class _ProcessDyingWithParent(mp.get_context("spawn").Process):
+    """A spawned process that dies with its parent from its first instruction (`_DIE_WITH_PARENT`; Linux). The OS
+    signals it when the *thread* that started it exits: start it from the trainer's main thread (TRL does)."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        if not sys.platform.startswith("linux") or getattr(sys, "frozen", False):
+            return mp.get_context("spawn").Process._Popen(process_obj)
+        return _popen_dying_with_parent()(process_obj)
+
+
 def _exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
     """Leave the process as soon as the trainer that started it is gone (re-parented: `getppid` changes)."""
     while os.getppid() == parent_pid:
@@ -483,6 +593,12 @@ class _WorkerLoop:
         self.version = 0  # the version of the weights the worker samples from (0: not synced yet)
         self.next_prompt = settings.start_group  # counted over epochs
         self.next_group = 0  # the samples' group_id, from the start position on (TRL's convention)
+        self.dropped: dict[str, int] = {}  # groups dropped in a row, by kind (`on_rollout_error="drop"`)
+
+    def tick(self) -> None:
+        """Progress: a batch put samples, a tool call ended, or the worker waits on the trainer."""
+        if self.heartbeat is not None:
+            self.heartbeat.value = time.time()
 
     def load(self) -> None:
         """Load the worker's own copy of the policy (float32 unless `dtype` says otherwise, SDPA attention)."""
@@ -518,9 +634,11 @@ class _WorkerLoop:
         while not self.stop.is_set():
             if not self._weights_for_next_batch():
                 continue
-            for sample in self._generate_batch():
+            samples = self._generate_batch()
+            for sample in samples:
                 self._put(sample)
-            self.heartbeat.value = time.time()
+            if samples:  # an empty or all-dropped batch is no progress: it does not tick the heartbeat
+                self.tick()
 
     def _weights_for_next_batch(self) -> bool:
         """Load the weights the next batch is sampled from; False when they have not arrived yet (after waiting up
@@ -567,7 +685,8 @@ class _WorkerLoop:
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        self.heartbeat.value = time.time()
+        if block:  # waiting on the trainer's weights is not a stall
+            self.tick()
 
     def _apply_weights(self, block: bool) -> None:
         """Read the newest weights (a copy of them when `weight_lag` keeps several); load the ones `weight_lag`
@@ -592,7 +711,7 @@ class _WorkerLoop:
                 self.rollout_buffer.put(sample, timeout=0.5)
                 return
             except queue.Full:
-                self.heartbeat.value = time.time()  # waiting on the trainer is not a stall
+                self.tick()  # waiting on the trainer is not a stall
                 if self.s.fixed_lag is None:
                     self._apply_weights(block=False)
                 else:
@@ -655,32 +774,60 @@ class _WorkerLoop:
 
     def _score_episodes(self, rows, episodes: list[Episode], version) -> list[RolloutSample]:
         """Each prompt's `num_generations` episodes (consecutive) scored as one group; under `on_rollout_error=
-        "drop"` a group with a rollout error is dropped (and counted)."""
-        s, samples, counts = self.s, [], {}
+        "drop"` a group with a rollout error is dropped (and counted). A non-finite reward (an environment's
+        `get_reward`, or ±inf from a reward function) is a `NonFiniteRewardError` of its episode: counted, and
+        under `"feed_back"` the completion is left unscored (advantage 0, TRL's rule for a skipped completion)."""
+        s, counts, kept = self.s, {}, []
         for g, row in enumerate(rows):
             group = episodes[g * s.num_generations : (g + 1) * s.num_generations]
+            per_func, names = self._rewards(row, group)
             kinds = sorted({e.kind for episode in group for e in episode.errors})
             for kind in (e.kind for episode in group for e in episode.errors):
                 counts[f"rollout/errors/{kind}_total"] = counts.get(f"rollout/errors/{kind}_total", 0.0) + 1.0
-            if kinds and s.agent.on_rollout_error == "raise":
+            if kinds and s.agent is not None and s.agent.on_rollout_error == "raise":
                 raise next(e for episode in group for e in episode.errors)
-            if kinds and s.agent.on_rollout_error == "drop":
+            if kinds and s.agent is not None and s.agent.on_rollout_error == "drop":
                 for kind in kinds:
                     key = f"rollout/dropped_groups/{kind}_total"
                     counts[key] = counts.get(key, 0.0) + 1.0
+                    self.dropped[kind] = self.dropped.get(kind, 0) + 1
+                self._check_dropped()
                 continue
-            samples += self._score_group(row, group, version)
+            self.dropped = {}
+            kept.append((group, per_func, names))
+        rewards = [self._summed(per_func) for _, per_func, _ in kept]
+        batch_std = _nanstd(np.concatenate(rewards)) if rewards else 0.0
+        samples = []
+        for (group, per_func, names), summed in zip(kept, rewards, strict=True):
+            samples += self._score_group(group, per_func, names, summed, batch_std, version)
         if self.multiturn is not None:
             n = float(len(episodes))
             counts["tools/loop_exhausted_frac"] = (float(sum(e.loop_exhausted for e in episodes)), n)
             counts["rollout/turns_mean"] = (float(sum(e.turns for e in episodes)), n)
+        if counts:
             try:
                 self.metrics_queue.put_nowait(counts)
             except queue.Full:
                 pass
         return samples
 
-    def _score_group(self, row, episodes: list[Episode], version) -> list[RolloutSample]:
+    def _check_dropped(self) -> None:
+        """Stop (`NoRolloutSamplesError`) after `max_dropped_groups` groups in a row dropped by the policy: the worker
+        would otherwise make empty batches for ever while the trainer waits."""
+        total = max(self.dropped.values(), default=0)
+        limit = self.s.max_dropped_groups
+        if limit and total >= limit:
+            kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(self.dropped.items()))
+            raise NoRolloutSamplesError(
+                f"the last {total} prompt groups were all dropped by on_rollout_error='drop' ({kinds}; "
+                f"max_consecutive_empty_steps x groups per step = {limit}): the worker makes no trainable sample. "
+                "Fix what fails (the rollout/errors/* metrics count it), or use on_rollout_error='feed_back'"
+            )
+
+    def _rewards(self, row, episodes: list[Episode]) -> tuple[np.ndarray, list[str]]:
+        """`(F, G)` rewards of one group, a row per reward function and then per environment class with a
+        `get_reward` (TRL's rule); NaN where skipped. A non-finite reward becomes NaN and a `NonFiniteRewardError`
+        of its episode."""
         s = self.s
         n = len(episodes)
         shown = [e.messages for e in episodes]
@@ -700,9 +847,24 @@ class _WorkerLoop:
                 columns.append([float(e.get_reward()) if type(e) is env_type else math.nan for e in environments])
                 names.append(env_type.__name__)
         per_func = np.array(columns, dtype=float).reshape(len(columns), n)
+        types = [None] * len(s.reward_funcs) + (self.multiturn.reward_types if self.multiturn is not None else [])
+        for k, j in np.ndindex(per_func.shape):
+            value = per_func[k, j]  # NaN is a reward function's "skipped" (TRL's None), never an environment's
+            if math.isinf(value) or (math.isnan(value) and type(environments[j]) is types[k]):
+                episodes[j].errors.append(
+                    NonFiniteRewardError(f"{names[k]} returned {value} for completion {j} of its group")
+                )
+                per_func[k, j] = math.nan
+        return per_func, names
+
+    @staticmethod
+    def _summed(per_func: np.ndarray) -> np.ndarray:
         rewards = np.nansum(per_func, axis=0)
         rewards[np.all(np.isnan(per_func), axis=0)] = np.nan
-        advantages, mean, std = group_advantages(rewards)
+        return rewards
+
+    def _score_group(self, episodes: list[Episode], per_func, names, rewards, batch_std, version) -> list:
+        advantages, mean, std = group_advantages(rewards, self.s.scale_rewards, batch_std)
         group = self.next_group
         self.next_group += 1
         samples = []

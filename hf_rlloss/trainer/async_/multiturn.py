@@ -55,6 +55,7 @@ __all__ = [
     "Episode",
     "MalformedToolCallError",
     "MultiTurnRollouts",
+    "NonFiniteRewardError",
     "RolloutError",
     "ToolRaisedError",
     "ToolTimeoutError",
@@ -92,13 +93,21 @@ class ContextOverflowError(RolloutError):
 
 
 class MalformedToolCallError(RolloutError):
-    """The model wrote a tool call that does not parse, or that names no tool it was given."""
+    """The model wrote a tool call that does not parse, names no tool it was given, or whose arguments are not an
+    object."""
 
     kind = "malformed_tool_call"
 
 
+class NonFiniteRewardError(RolloutError):
+    """An environment's `get_reward` returned NaN or ±inf, or a reward function ±inf (a reward function's NaN, or
+    `None`, is TRL's "skipped")."""
+
+    kind = "nonfinite_reward"
+
+
 ERROR_KINDS = tuple(cls.kind for cls in (ToolRaisedError, ToolTimeoutError, ContextOverflowError,
-                                         MalformedToolCallError))  # fmt: skip
+                                         MalformedToolCallError, NonFiniteRewardError))  # fmt: skip
 
 
 @dataclasses.dataclass
