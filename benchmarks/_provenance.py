@@ -1,7 +1,9 @@
-"""Where a result came from: the machine, the date and the command, stored beside every figure of a results file.
+"""Where a result came from, stored beside every figure of a results file.
 
-`provenance(command)` is the `meta` block the benchmark scripts write; `docs/figures.py` shows it under the tables
-and figures it renders, so that a page never states a number without its machine, date and command.
+`provenance(command)` is the `meta` block the benchmark scripts write: the machine, the date, the load, the exact
+command, the versions of the libraries measured and the git commit. `benchmarks/figures/` shows it under the tables
+and figures it renders, so that a page never states a number without its machine, date and command, and says when
+the code a benchmark measures (its `MEASURES`) changed after the commit the file records.
 """
 
 from __future__ import annotations
@@ -9,8 +11,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
+
+# The libraries whose versions a measurement depends on (vLLM where it is installed: its runs sample with it).
+LIBRARIES = ("torch", "transformers", "trl", "accelerate", "vllm")
 
 
 def cpu() -> dict:
@@ -35,7 +41,7 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "trl", "accelerate"):
+    for name in LIBRARIES:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -47,19 +53,29 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+def command_line() -> str:
+    """The command this process runs, as a user would type it again (`python <script> <arguments>`)."""
+    return shlex.join(["python", os.path.relpath(sys.argv[0]) if sys.argv[0] else "-", *sys.argv[1:]])
+
+
 def provenance(command: str | None = None) -> dict:
-    """The `meta` block of a results file: machine, date (UTC), command, package versions, load at the start."""
+    """The `meta` block of a results file: machine, date (UTC), command, package versions, load at the start and the
+    git commit (`git_dirty`: uncommitted changes to tracked files were present)."""
     return {
         "machine": cpu(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "command": command or " ".join(["python", *sys.argv]),
+        "command": command or command_line(),
         "versions": versions(),
         "load_average_at_start": load_average(),
-        "git_commit": _git_commit(),
+        "git_commit": _git(["rev-parse", "--short=10", "HEAD"]),
+        "git_dirty": bool(_git(["status", "--porcelain", "--untracked-files=no"])),
     }
 
 
-def _git_commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+def _git(args: list[str]) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__) or ".")
+    except OSError:
+        return None
     return out.stdout.strip() or None

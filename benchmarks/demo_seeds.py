@@ -17,7 +17,10 @@ training problems and the held-out operand pairs), with the demo model from the 
 at step 0 (untrained) and at the last step of the same run, on the same items. Seeds run one after the other on the
 whole machine; each seed's row is written as soon as it ends, so an interrupted sweep keeps what it finished.
 `--add` resumes such a sweep: it keeps the rows of `--out` for the seeds not asked for, and each new row carries its
-own `meta` (machine, date, command, commit), since it may come from another machine or another day.
+own `meta` (machine, date, command, commit), since it may come from another machine or another day. A seed that
+already has a row is run again only with `--reason`: its old row moves to `superseded`, with the reason and the
+command that replaced it. The `aggregate` block is recomputed from `runs` (`benchmarks/figures/demo.py`, which the
+figures check runs too); `--plot` draws the figure the pages show (`benchmarks/figures/plots.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,10 +38,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import load_average, provenance  # noqa: E402
+from figures import plots  # noqa: E402
+from figures.demo import seed_sweep  # noqa: E402
 
 from hf_rlloss.recipe_support.cpu_precision import cpu_has_fast_bf16  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a demo run measures: the whole training path of the package and the recipes it runs.
+MEASURES = ("hf_rlloss", "recipes/grpo.py", "recipes/grpo_async.py", "recipes/smollm2_135m")
 LAUNCH = ["launch", "--config_file", "accelerate_configs/single_process.yaml"]
 # demo -> (recipe and config, the run summary's pattern)
 DEMOS = {
@@ -75,23 +83,9 @@ def parse_summary(text: str, pattern: re.Pattern = SUMMARY) -> dict:
     return {key: float(value) for key, value in match.groupdict().items()} | {"summary": lines[-1]}
 
 
-def spread(values: list[float]) -> dict:
-    return {
-        "min": min(values),
-        "max": max(values),
-        "mean": statistics.fmean(values),
-        "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "n": len(values),
-    }
-
-
 def aggregate(rows: list[dict]) -> dict:
-    keys = ("reward_first", "reward_last", "heldout_before", "heldout_after", "step_s", "wall_s")
-    keys += ("turns_first", "turns_last", "heldout_untrained")
-    keys += ("completion_length_first", "completion_length_last", "mismatch_abs_logp_first", "mismatch_abs_logp_last")
-    out = {key: spread([row[key] for row in rows]) for key in keys if all(key in row for row in rows)}
-    out["heldout_gain"] = spread([row["heldout_after"] - row["heldout_before"] for row in rows])
-    return out
+    """The spread over the seeds of each outcome (the figures' own recomputation, `benchmarks/figures/demo.py`)."""
+    return seed_sweep({"runs": rows})
 
 
 def run_seed(
@@ -134,7 +128,7 @@ def curves(path: Path, k: int = 8) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="benchmarks/results/demo_seeds.json")
@@ -147,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--add", action="store_true", help="keep --out's rows for the other seeds (an interrupted sweep, resumed)"
     )
+    parser.add_argument(
+        "--reason", help="with --add: why rows of seeds already in --out are replaced (kept as superseded)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     overrides = dict(item.split("=", 1) for item in args.set)
     out = ROOT / args.out
@@ -171,60 +173,43 @@ def main(argv: list[str] | None = None) -> None:
         "runs": [],
     }
     if args.add:
-        result = added_to(json.loads(out.read_text()), result, args.seeds)
+        result = added_to(json.loads(out.read_text()), result, args.seeds, args.reason)
     for seed in args.seeds:
         row = run_seed(seed, ROOT / args.runs_dir, overrides, args.demo, args.accelerate)
         if args.add:
-            row["meta"] = provenance(command + " --add")
+            row["meta"] = provenance(
+                command + " --add" + (f" --reason {shlex.quote(args.reason)}" if args.reason else "")
+            )
         print(row["summary"], flush=True)
         result["runs"] = sorted([*result["runs"], row], key=lambda run: run["seed"])
         result["aggregate"] = aggregate(result["runs"])
         out.write_text(json.dumps(result, indent=1) + "\n")
         if args.plot:
-            plot(result, ROOT / args.plot)
+            plots.draw(args.plot)
     print(json.dumps(result["aggregate"], indent=1))
 
 
-def added_to(existing: dict, new: dict, seeds: list[int]) -> dict:
-    """`existing` (a results file) with its rows for `seeds` removed, for a sweep resumed with `--add`; refused when
-    the two runs' demo commands differ, since their rows would not measure the same thing."""
+def added_to(existing: dict, new: dict, seeds: list[int], reason: str | None = None) -> dict:
+    """`existing` (a results file) without its rows for `seeds`, for a sweep resumed with `--add`. A replaced row is
+    kept under `superseded` with `reason` (required then) and the command that replaced it; refused when the two
+    runs' demo commands differ, since their rows would not measure the same thing."""
     if existing["meta"]["demo_command"] != new["meta"]["demo_command"]:
         raise SystemExit(
             f"--add: the results file was measured with {existing['meta']['demo_command']!r}, "
             f"not {new['meta']['demo_command']!r}; write a new file instead"
         )
-    return existing | {"runs": [run for run in existing["runs"] if run["seed"] not in seeds]}
-
-
-def plot(result: dict, path: Path) -> None:
-    """Per seed: the accuracy reward per step (and the turns per episode of a tool run), with the held-out accuracy
-    at the first and the last step as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = result["runs"]
-    panels = 2 if all("turns" in run for run in runs) else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
-    for run in runs:
-        steps = range(1, len(run["reward"]) + 1)
-        (line,) = axes[0][0].plot(steps, run["reward"], lw=1, alpha=0.8, label=f"seed {run['seed']}")
-        axes[0][0].plot([0, len(run["reward"])], [run["heldout_before"], run["heldout_after"]], "D",
-                        color=line.get_color(), ms=6)  # fmt: skip
-        if panels == 2:
-            axes[0][1].plot(steps, run["turns"], lw=1, color=line.get_color(), label=f"seed {run['seed']}")
-    axes[0][0].set(
-        xlabel="step", ylabel="accuracy", title="reward per step (lines), held-out (diamonds)", ylim=(0, 1.02)
-    )
-    axes[0][0].legend(fontsize=8)
-    if panels == 2:
-        axes[0][1].set(xlabel="step", ylabel="turns per episode", title="assistant turns per conversation")
-    meta = result["meta"]
-    fig.suptitle(f"{meta['machine']['kind']}, {meta['date']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    replaced = [run for run in existing["runs"] if run["seed"] in seeds]
+    if replaced and not reason:
+        raise SystemExit(
+            f"--add: seeds {[run['seed'] for run in replaced]} already have rows in the results file; say why they "
+            "are measured again with --reason (the old rows are kept as superseded)"
+        )
+    superseded = existing.get("superseded", []) + [
+        run | {"superseded": {"reason": reason, "by": new["meta"].get("command"), "date": new["meta"].get("date")}}
+        for run in replaced
+    ]
+    kept = existing | {"runs": [run for run in existing["runs"] if run["seed"] not in seeds]}
+    return kept | ({"superseded": superseded} if superseded else {})
 
 
 if __name__ == "__main__":

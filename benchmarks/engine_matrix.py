@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import _launch  # noqa: E402
+from _provenance import provenance  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
 # FSDP2 on CPU needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py); this script
@@ -108,7 +109,11 @@ def launch(name: str, sp: int, cli, work: Path) -> dict:
     return record
 
 
-def main() -> None:
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss", "accelerate_configs", "tests/engine_matrix_script.py")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
@@ -124,6 +129,11 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="read the cells already in --work-dir, launch the rest")
     parser.add_argument("--work-dir", default="/tmp/hf_rlloss_engine_matrix")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_matrix.json"))
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     cli = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if cli.malloc_mmap_threshold:  # freed buffers go back to the OS, so that RSS peaks are not the allocator's cache
@@ -169,7 +179,7 @@ def main() -> None:
     model["malloc_mmap_threshold"] = cli.malloc_mmap_threshold
     Path(cli.out).parent.mkdir(parents=True, exist_ok=True)
     with open(cli.out, "w") as f:
-        json.dump({"model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"meta": provenance(), "model": model, "torch": torch.__version__, "rows": rows}, f, indent=1)
     print("| config | sp | ran | engine (policy / reference) | max param diff vs DDP | max loss diff | peak RSS per "
           "rank, whole run (MiB) | peak RSS per rank, training steps (MiB) | train s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")

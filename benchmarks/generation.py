@@ -44,6 +44,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import peak_rss_mb, reset_peak_rss, rss_mb  # noqa: E402
+from _provenance import load_average, provenance  # noqa: E402
 from packing import _WORDS, DEMO_CONFIG, ROOT  # noqa: E402
 
 G = 8
@@ -256,7 +257,15 @@ def _table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss", "hf_rlloss/trainer", "recipes/grpo.py", "recipes/smollm2_135m/arithmetic")
+
+
+# per-sample records that are not measurements to take the median of
+SAMPLE_ONLY = ("reward", "tokens", "repeat", "started_utc", "load_average_at_start")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["demo", *LONG], choices=["demo", *LONG])
     parser.add_argument("--kinds", nargs="+", default=["step", "generate"], choices=["step", "generate"])
@@ -268,6 +277,11 @@ def main():
     )
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "generation.json"))
     parser.add_argument("--_one", nargs=5, help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args.demo_fp32:
         os.environ["BENCH_DEMO_FP32"] = "1"  # read by the demo's run processes
@@ -287,13 +301,19 @@ def main():
         if not (kind == "generate" and workload == "demo")
     ]
     samples: dict = {f"{k}/{w}": {} for k, w in cells}
-    meta = {"machine": _machine(), "start": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "uptime": [_uptime()]}
+    meta = provenance() | {
+        "machine": _machine(),
+        "start": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "uptime": [_uptime()],
+    }
     for repeat in range(args.repeats):
         for kind, workload in cells:
             variants = STEP_VARIANTS if kind == "step" else GENERATE_VARIANTS
             shift = repeat % len(variants)  # rotating order: no variant always runs first
             for variant in variants[shift:] + variants[:shift]:
+                load, start = load_average(), time.strftime("%H:%M:%S", time.gmtime())
                 result = _launch(kind, workload, variant, args.steps, args.layers)
+                result |= {"repeat": repeat, "started_utc": start, "load_average_at_start": load}
                 samples[f"{kind}/{workload}"].setdefault(variant, []).append(result)
                 print(kind, workload, variant, {k: v for k, v in result.items() if k != "reward"}, flush=True)
         meta["uptime"].append(_uptime())
@@ -301,7 +321,7 @@ def main():
     for key, by_variant in samples.items():
         kind, workload = key.split("/")
         rows.setdefault(workload, {})[kind] = {
-            v: {m: statistics.median(s[m] for s in runs) for m in runs[0] if m not in ("reward", "tokens")}
+            v: {m: statistics.median(s[m] for s in runs) for m in runs[0] if m not in SAMPLE_ONLY}
             for v, runs in by_variant.items()
         }
         if kind == "generate":

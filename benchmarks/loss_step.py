@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 from _memory import peak_rss_mb, reset_peak_rss, rss_mb
+from _provenance import provenance  # noqa: E402
 
 METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
 EXTRA_METHODS = ("hf_rlloss_eager", "hf_rlloss_compiled")
@@ -145,7 +145,11 @@ def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0, steps=1
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss",)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
@@ -163,6 +167,11 @@ def main():
     )
     parser.add_argument("--out", default="benchmarks/results/loss_step.json")
     parser.add_argument("--_one", nargs=8, help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args._one:
         method, tokens, vocab, hidden, device, dtype, chunk, steps = args._one
@@ -195,8 +204,7 @@ def main():
                 row["floor_ratio_per_repeat"] = [round(a["seconds"] / b["seconds"], 3) for a, b in pairs]
             rows.append(row)
             _print_row(row)
-    meta = {
-        "machine": platform.processor() or platform.machine(),
+    meta = provenance() | {
         "cpus": os.cpu_count(),
         "device": args.device,
         "dtype": args.dtype,

@@ -40,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import peak_rss_mb, reset_peak_rss, rss_mb  # noqa: E402
+from _provenance import provenance  # noqa: E402
 
 MODES = ("shared_prefix", "padding_free", "off")
 G = 8
@@ -287,7 +288,11 @@ def _table(rows: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss", "hf_rlloss/trainer", "hf_rlloss/parallel")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["long", "reasoning", "demo"])
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])
@@ -298,6 +303,11 @@ def main():
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "packing.json"))
     parser.add_argument("--_one", nargs=4, help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args._one:
         workload, mode, steps, layers = args._one
@@ -330,7 +340,7 @@ def main():
             r["arithmetic_ratio"] = _arithmetic(samples[f"{workload}|{_}|{mode}"][-1])
     table = _table(rows)
     print(table)
-    meta = {
+    meta = provenance() | {
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": platform.processor() or platform.machine(),

@@ -16,6 +16,7 @@ import json
 import os
 import time
 
+from _provenance import provenance  # noqa: E402
 from loss_step import _measure
 
 
@@ -24,7 +25,11 @@ def _slope(xs, ys):
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def main():
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss",)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--vocab", type=int, default=49152)
@@ -32,6 +37,11 @@ def main():
     parser.add_argument("--methods", nargs="+", default=["hf_rlloss", "trl_chunked", "naive"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/scaling.json")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
 
     rows = []
@@ -52,7 +62,12 @@ def main():
         print(f"  {method:<12} {slopes[method]:8.1f} MB/1k tokens   {time_per_1k:6.2f} s/1k tokens")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        meta = {"vocab": args.vocab, "hidden": args.hidden, "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
+        meta = provenance() | {
+            "vocab": args.vocab,
+            "hidden": args.hidden,
+            "date": time.strftime("%Y-%m-%d"),
+            "cpus": os.cpu_count(),
+        }
         json.dump({"meta": meta, "rows": rows, "memory_mb_per_1k_tokens": slopes}, f, indent=2)
     print(f"wrote {args.out}")
 

@@ -32,6 +32,7 @@ import sys
 import time
 
 from _memory import reset_peak_rss, status_kb
+from _provenance import provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -207,8 +208,7 @@ def run(cli) -> None:
         )
     import torch
 
-    meta = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    meta = provenance() | {
         "device": "cuda" if torch.cuda.is_available() and not cli.cpu else "cpu",
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
@@ -226,13 +226,17 @@ def run(cli) -> None:
         "cores": cli.cores,
         "gradient_checkpointing": cli.grad_ckpt,
     }
-    path = os.path.join(cli.results_dir, f"sp_memory_{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = cli.out or os.path.join(cli.results_dir, f"sp_memory_{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(f"\nwrote {path}")
 
 
-def main() -> None:
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss", "hf_rlloss/trainer", "hf_rlloss/parallel")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="tokens per micro-batch")
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2])
@@ -250,7 +254,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="the results file (default: sp_memory_<date-time>.json in --results-dir)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     cli = parser.parse_args()
     if cli.worker:
         cli.tokens = cli.tokens[0]

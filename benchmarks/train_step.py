@@ -29,6 +29,7 @@ import sys
 import time
 
 from _memory import peak_rss_mb, reset_peak_rss, rss_mb
+from _provenance import provenance  # noqa: E402
 
 VARIANTS = {
     # name: (trainer, rl_loss overrides or None for stock TRL, extra args)
@@ -183,7 +184,7 @@ def _main_demo(args) -> None:
         "old_pass_saving_s": rows["hf_rlloss_old_pass"]["step_s"] - rows["hf_rlloss"]["step_s"],
         "hf_rlloss_vs_old_pass": rows["hf_rlloss"]["step_s"] / rows["hf_rlloss_old_pass"]["step_s"],
     }
-    meta = {
+    meta = provenance() | {
         "config": args.demo,
         "timed_steps": args.steps - 1,
         "repeats": args.repeats,
@@ -209,7 +210,11 @@ def _measure(name, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
+# The package modules (and recipes) this benchmark measures: its results are stale once they change.
+MEASURES = ("hf_rlloss/loss", "hf_rlloss/trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--steps", type=int, default=6)
@@ -221,6 +226,11 @@ def main():
     parser.add_argument("--demo", default=None, help="a recipe YAML: time whole steps of it (see above)")
     parser.add_argument("--_one", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--_demo_one", nargs=3, help=argparse.SUPPRESS)
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
     if args._one:
         name, model, steps, batch, length = args._one
@@ -248,7 +258,7 @@ def main():
         ratio_m = f"{r['peak_mb'] / ref['peak_mb']:.2f}" if ref and ref["peak_mb"] > 0 else "-"
         print(f"{v:<22} {r['step_s']:>9.3f} {r['peak_mb']:>10.0f} {ratio_t:>11} {ratio_m:>13}")
     print("ratios: hf_rlloss vs trl_dapo; each hf_rlloss feature vs plain hf_rlloss")
-    meta = {
+    meta = provenance() | {
         "model": args.model,
         "steps": args.steps,
         "batch": args.batch,

@@ -2,6 +2,7 @@
 and the check that enforces it fails on a stale, unknown or unbacked figure."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from figures import core  # noqa: E402
+from figures import _age, _docstrings, core  # noqa: E402
 
 core.load_renderers()
 
@@ -78,10 +79,20 @@ def test_yaml_pages_are_read_for_their_comments_only():
     assert core.unbacked("recipes/x.yaml", text) == ["6 minutes"]
 
 
-def test_results_without_machine_date_or_command_are_named(tmp_path, monkeypatch):
+def test_results_without_a_provenance_field_are_named(tmp_path, monkeypatch):
     monkeypatch.setattr(core, "RESULTS", tmp_path)
     (tmp_path / "a.json").write_text('{"meta": {"machine": "m", "date": "2026-12-04"}, "x": 1}')
-    assert core.provenance_problems("a.json") == ["benchmarks/results/a.json: meta has no command"]
+    assert core.provenance_problems("a.json") == [
+        "benchmarks/results/a.json: meta has no command, git_commit, versions, load"
+    ]
+    command = "python benchmarks/demo_seeds.py --set vllm_engine=true --out benchmarks/results/a.json"
+    meta = {"machine": "m", "date": "d", "command": command, "git_commit": "unknown", "load": "unknown"}
+    meta["versions"] = {"torch": "2", "transformers": "5", "trl": "1"}
+    (tmp_path / "a.json").write_text(json.dumps({"meta": meta}))
+    assert core.provenance_problems("a.json") == ["benchmarks/results/a.json: meta has no versions.vllm"]
+    assert core.source_text(meta).startswith(
+        "m, d, load not recorded, torch 2, transformers 5, TRL 1, vLLM version not"
+    )
 
 
 def test_a_table_names_the_machine_date_and_command_of_its_sources():
@@ -97,14 +108,167 @@ def test_rows_added_to_a_sweep_name_their_own_provenance(tmp_path, monkeypatch):
 
     monkeypatch.setattr(core, "RESULTS", tmp_path)
     first = {"meta": {"machine": "m1", "date": "2026-12-04", "command": "sweep 0 1", "demo_command": "d"}}
-    kept = demo_seeds.added_to(first | {"runs": [{"seed": 0}, {"seed": 1}]}, {"meta": {"demo_command": "d"}}, [1])
-    assert kept["runs"] == [{"seed": 0}] and kept["meta"] == first["meta"]
+    kept = demo_seeds.added_to(first | {"runs": [{"seed": 0}]}, {"meta": {"demo_command": "d"}}, [1])
+    assert kept["runs"] == [{"seed": 0}] and kept["meta"] == first["meta"] and "superseded" not in kept
     with pytest.raises(SystemExit, match="--add: the results file was measured with 'd'"):
         demo_seeds.added_to(first | {"runs": []}, {"meta": {"demo_command": "other"}}, [1])
 
     later = {"machine": "m2", "date": "2026-12-05", "command": "sweep 1 --add"}
     (tmp_path / "a.json").write_text(json.dumps(kept | {"runs": [{"seed": 0}, {"seed": 1, "meta": later}]}))
     line = core.provenance_line(["a.json"])
-    assert line == (
-        "Source: `results/a.json`: m1, 2026-12-04, `sweep 0 1`; its seed 1: m2, 2026-12-05, `sweep 1 --add`."
+    assert line.startswith("Source: `results/a.json`: m1, 2026-12-04, load not recorded") and "`sweep 0 1`" in line
+    assert "; its seed 1: m2, 2026-12-05, load not recorded" in line and "`sweep 1 --add`" in line
+
+
+def test_add_keeps_a_superseded_row_with_its_reason():
+    import demo_seeds
+
+    existing = {"meta": {"demo_command": "d"}, "runs": [{"seed": 0, "x": 1}, {"seed": 1, "x": 2}]}
+    new = {"meta": {"demo_command": "d", "command": "sweep 1 --add", "date": "2026-12-06"}}
+    with pytest.raises(SystemExit, match="seeds \\[1\\] already have rows.*--reason"):
+        demo_seeds.added_to(existing, new, [1])
+    kept = demo_seeds.added_to(existing, new, [1], reason="the run overlapped another job")
+    assert kept["runs"] == [{"seed": 0, "x": 1}]
+    assert kept["superseded"] == [
+        {"seed": 1, "x": 2, "superseded": {"reason": "the run overlapped another job", "by": "sweep 1 --add",
+                                          "date": "2026-12-06"}}
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("the gap was 2.7e-06 after 3 steps", ["2.7e-06"]),
+        ("measured ≤ 1e-8, and at most 4e-9", ["1e-8", "4e-9"]),
+        ("parity to 1e-6, within 1e-5, (1e-6), lr 3e-5, of order 1e-10", []),
+        ("a ratio of 1.1234 and a value of 0.0032", ["1.1234", "0.0032"]),
+        ("a 55 KB sample, 1.17x the time, 1.5 times the rate", ["55 KB", "1.17x", "1.5 times"]),
+        ("arXiv 2510.11370 and version 0.115.2", []),
+    ],
+)
+def test_the_pattern_covers_e_notation_decimals_kb_x_and_times(text, found):
+    assert core.unbacked("docs/x.md", text) == found
+
+
+def _sources(tmp_path, monkeypatch, name: str) -> dict:
+    """A copy of one results file in a scratch results folder, for a test to edit."""
+    monkeypatch.setattr(core, "RESULTS", tmp_path)
+    (tmp_path / name).write_text((ROOT / "benchmarks" / "results" / name).read_text())
+    return json.loads((tmp_path / name).read_text())
+
+
+def test_an_edited_aggregate_fails_naming_the_figure(tmp_path, monkeypatch):
+    data = _sources(tmp_path, monkeypatch, "demo_seeds.json")
+    assert core.source_problems("demo_seeds.json") == []
+    shown = core.render_figure("demo.heldout_after")[0]
+    data["aggregate"]["heldout_after"]["max"] += 0.01
+    (tmp_path / "demo_seeds.json").write_text(json.dumps(data))
+    problems = [p for p in core.check_sources() if "demo_seeds.json" in p]
+    assert any("aggregate heldout_after.max: stored" in p and "figure 'demo.heldout_after'" in p for p in problems)
+    # the renderers show the runs' aggregate, never the stored one
+    assert core.render_figure("demo.heldout_after")[0] == shown
+
+
+def test_an_unparseable_command_fails_naming_the_figure(tmp_path, monkeypatch):
+    data = _sources(tmp_path, monkeypatch, "demo_seeds.json")
+    data["meta"]["command"] = "python benchmarks/demo_seeds.py --seeds zero"
+    (tmp_path / "demo_seeds.json").write_text(json.dumps(data))
+    problems = [p for p in core.check_sources() if "demo_seeds.json" in p]
+    assert any(
+        "does not parse with benchmarks/demo_seeds.py's parser" in p and "table 'demo_seeds'" in p for p in problems
     )
+    data["meta"]["command"] = "python benchmarks/demo_seeds.py --seeds 0 --out benchmarks/results/other.json"
+    (tmp_path / "demo_seeds.json").write_text(json.dumps(data))
+    assert any("writes benchmarks/results/other.json, not this file" in p for p in core.check_sources())
+
+
+def test_every_recorded_command_parses_with_its_scripts_parser():
+    for name in core.sources():
+        meta = core.meta_of(core.Results()(name))
+        assert _age.command_problems(name, meta) == [], name
+
+
+def test_a_changed_measured_module_marks_the_table_and_fails_naming_it(monkeypatch):
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    old = {"git_commit": first.stdout.split()[0][:10], "measures": ["hf_rlloss"]}
+    assert _age.age(old) == (f"measured at `{old['git_commit']}`; the measured code changed since", True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert _age.age({"git_commit": head, "measures": ["hf_rlloss"]})[1] is False
+
+    page = "docs/index.md"
+    text = (ROOT / page).read_text(encoding="utf8")
+    assert "table 'demo_seeds'" not in " ".join(core.check_text(page, text))
+    fresh = {"git_commit": head, "git_commit_source": None}
+    monkeypatch.setattr(core, "meta_of", lambda data, _meta=core.meta_of: _meta(data) | fresh)
+    problems = core.check_text(page, text)
+    assert f"{page}: table 'demo_seeds' differs from its results file (source lines)" in problems
+
+
+def test_refresh_lists_the_stale_files():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.refresh", "--stale", "--dry-run"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert "benchmarks/results/demo_seeds.json: measured at `7e55599`; the measured code changed since" in out.stdout
+    assert "    python benchmarks/demo_seeds.py --seeds 42 0 1 2" in out.stdout
+
+
+def _with_a_marked_figure(text: str, inside: str) -> tuple[str, str]:
+    """`text` with the figure `demo.seeds` marked after `inside`, rendered right and edited."""
+    value = core.render_figure("demo.seeds")[0]
+    right = f"{inside} <!-- fig:demo.seeds -->{value}<!-- /fig -->"
+    return text.replace(inside, right, 1), text.replace(inside, right.replace(f"-->{value}<", f"-->{value}9<"), 1)
+
+
+@pytest.mark.parametrize("kind", ["page", "table", "docstring", "recipe comment"])
+def test_editing_one_figure_of_each_page_kind_fails_the_check(kind):
+    if kind == "page":
+        page, text, match = _a_marked_figure()
+        edited = text[: match.start("body")] + match["body"] + "1" + text[match.end("body") :]
+        check = core.check_text
+    elif kind == "table":
+        page = "docs/index.md"
+        text = (ROOT / page).read_text(encoding="utf8")
+        body = next(core.TABLE_RE.finditer(text))["body"]
+        edited = text.replace(body, body.replace("0.68 ± 0.05", "0.69 ± 0.05", 1), 1)
+        check = core.check_text
+    elif kind == "docstring":
+        page = "hf_rlloss/recipe_support/assets.py"
+        text, edited = _with_a_marked_figure((ROOT / page).read_text(encoding="utf8"), "Convert the GGUF")
+        check = core.check_docstrings
+    else:
+        page = "recipes/smollm2_135m/arithmetic/config_demo.yaml"
+        source = (ROOT / page).read_text(encoding="utf8")
+        comment = next(line for line in source.splitlines() if line.startswith("# "))
+        text, edited = _with_a_marked_figure(source, comment)
+        check = core.check_text
+    assert check(page, text) == []
+    assert check(page, edited) != [] and all(page in p for p in check(page, edited))
+
+
+def test_a_number_in_a_published_docstring_fails_naming_it():
+    page = "hf_rlloss/recipe_support/assets.py"
+    text = (ROOT / page).read_text(encoding="utf8")
+    assert core.check_docstrings(page, text) == []
+    edited = text.replace("Convert the GGUF", "Convert (in 20 s) the GGUF", 1)
+    assert core.check_docstrings(page, edited) == [
+        f"{page} (docstring of prepare_smollm2): '20 s' is stated without a results file"
+    ]
+    assert Path(ROOT / page) in _docstrings.published_files()
+
+
+def test_e_notation_in_a_page_fails_naming_it():
+    page, text, _ = _a_marked_figure()
+    assert core.check_text(page, text + "\nThe largest difference was 2.7e-06.\n") == [
+        f"{page}: '2.7e-06' is stated without a results file"
+    ]
+
+
+def test_an_image_no_renderer_draws_is_named():
+    page = "docs/agentic.md"
+    text = "![a plot](agentic_demo.png) ![another](hand_drawn.png)"
+    assert core.images(page, text) == ["docs/agentic_demo.png", "docs/hand_drawn.png"]
+    assert "docs/agentic_demo.png" in core.PLOTS
+    assert [p for p in core.image_problems(page, text) if "hand_drawn" in p] == [
+        f"{page}: image docs/hand_drawn.png is drawn by no renderer (`core.plot`)"
+    ]

@@ -9,21 +9,30 @@ A page marks each figure it states, and each table of figures, with the name of 
     <!-- /table -->
 
 A renderer is a function of a `Results` loader that returns the text; what it read is its source, and a table ends
-with a line naming each source's machine, date and command. `python benchmarks/render_figures.py` rewrites every
-marked span from the results files; `--check` (and `tests/test_figures.py`) fails when a page's text differs from
-its rendering, names an unknown figure, reads a results file that lacks its machine, date or command, or states a
-measurement-like number (a ratio, a duration, a memory size, a percentage, a two-decimal accuracy) outside a marked
-span, a code span or the page's short list of figures that are not measurements (`NOT_MEASURED`).
+with a line per source naming its machine, date, load, library versions, command and commit, and saying when the
+package modules its benchmark measures changed after that commit (`_age.py`). `python benchmarks/render_figures.py`
+rewrites every marked span from the results files; `--check` (and `tests/test_figures.py`) fails when a page's text
+differs from its rendering (a table's source line included), names an unknown figure, reads a results file that lacks
+a provenance field or whose command does not parse with its script's parser, holds an aggregate that its per-run rows
+do not give (`_aggregates.py`), or states a measurement-like number (a ratio, a duration, a memory size, a
+percentage, a two-decimal accuracy, a value with 3 or more decimals, e-notation that is not a tolerance or a setting)
+outside a marked span, a code span or the page's short list of figures that are not measurements (`NOT_MEASURED`).
+The pages are the user pages, the recipes' comments and the docstrings the API reference publishes
+(`_docstrings.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import pkgutil
 import re
 from collections.abc import Callable
 from pathlib import Path
+
+from . import _age, _aggregates, _docstrings
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,21 +40,48 @@ RESULTS = ROOT / "benchmarks" / "results"
 # Every page a user reads, and the comment lines of the recipes (their headers describe the runs).
 PAGES = ("README.md", "benchmarks/README.md", "tests/README.md", "docs/**/*.md", "recipes/**/*.yaml")
 # Pages whose numbers are history by design, not claims about the current software.
+# (The changelog is not published on the site: docs/changelog.md links to it.)
 NOT_CHECKED = {"CHANGELOG.md": "a dated record of each release"}
 
 FIGURES: dict[str, Callable[[Results], str]] = {}
 TABLES: dict[str, Callable[[Results], str]] = {}
+# images on the pages, by their path in the repository: `fn(results)` returns a matplotlib figure or PNG bytes
+PLOTS: dict[str, Callable[[Results], object]] = {}
+IMAGE_RE = re.compile(r"!\[[^\]]*\]\((?P<path>[^)\s]+\.png)\)")
 
 FIG_RE = re.compile(r"<!-- fig:(?P<name>[\w.\-]+) -->(?P<body>.*?)<!-- /fig -->", re.S)
 TABLE_RE = re.compile(r"<!-- table:(?P<name>[\w.\-]+) -->\n(?P<body>.*?)\n?<!-- /table -->", re.S)
-# Measurement-like numbers: ratios, durations, memory, percentages, and accuracies or rewards written 0.xx.
+# Measurement-like numbers: ratios, durations, memory, percentages, accuracies or rewards written 0.xx, values with 3
+# or more decimals, and e-notation.
 _NUM = r"(?<![\w.,])\d+(?:,\d{3})*(?:\.\d+)?"
+E_NOTATION = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][-+]?\d+\b")
 MEASUREMENT = re.compile(
     # a ratio `×` is not a shape or a count: "1×8 micro-batches", "dp=2×sp=2" and "8 × 80 GB" are not flagged
     _NUM
-    + r"\s?(?:×(?!\s?\d|[A-Za-z])|%|ms\b|s\b|min\b|minutes?\b|seconds?\b|hours?\b|h\b|[kMG]i?B\b)"
+    + r"\s?(?:×(?!\s?\d|[A-Za-z])|x\b|%|ms\b|s\b|min\b|minutes?\b|seconds?\b|hours?\b|h\b|[kKMG]i?B\b)"
+    + r"|"
+    + _NUM
+    + r"\s(?:times)\b"
     + r"|(?<![\w.,])0\.\d{2}\b"
+    + r"|(?<![\w.,])\d+\.\d{3,}\b(?!\.\d)"  # 3+ decimals, not a version (1.16.0)
+    + r"|"
+    + E_NOTATION.pattern
 )
+# e-notation is a tolerance or a setting, not a measurement, right after a bound or a setting's name ("to 1e-6",
+# "(1e-6)", "≤ 1e-5", "lr 3e-5", "of order 1e-10") unless a measurement is named there ("measured ≤ 1e-8",
+# "at most 4e-9").
+_TOLERANCE_BEFORE = re.compile(
+    r"(?:\b(?:to|within|at|below|above|relative|lr|rate|AdamW|bound|tolerance|order)|[≤<>≥=(±≈])[\s,]*$", re.I
+)
+_MEASURED_BEFORE = re.compile(r"\b(?:measured?|most|largest|max(?:imum)?|was|is)\b[^\w]*(?:≤|<|=)?\s*$", re.I)
+
+
+def _is_tolerance(prose: str, m: re.Match) -> bool:
+    if not E_NOTATION.fullmatch(m[0]):
+        return False
+    before = prose[max(0, m.start() - 30) : m.start()]
+    return bool(_TOLERANCE_BEFORE.search(before)) and not _MEASURED_BEFORE.search(before)
+
 
 # Numbers that look like measurements but are not (hardware requirements, settings, thresholds), per page, each with
 # why. Keep this short: a measured figure belongs in a results file.
@@ -55,6 +91,15 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "recipes/qwen2.5_1.5b/gsm8k/config_8gpu.yaml": {"80 GB": "the GPU memory the recipe is sized for"},
     "recipes/smollm2_135m/arithmetic/config_demo_vllm.yaml": {"in GiB": "the unit of a setting"},
     "docs/engines.md": {"80 GB GPU": "the GPU memory a config is sized for"},
+    "docs/gpu.md": {"vLLM 0.30": "a vLLM version"},
+    "hf_rlloss/loss/config.py": {
+        "GSPO 3e-4": "GSPO's default clip range",
+        "GSPO 4e-4": "GSPO's default clip range",
+        "uses 0.28": "DAPO's clip-higher setting",
+        "near 128 MB": "the block size the chunking aims at",
+    },
+    "hf_rlloss/loss/chunked_logprobs.py": {"near 128 MB": "the block size the chunking aims at"},
+    "hf_rlloss/loss/rollout_is.py": {"verl used 1e-4": "verl's setting", "uses 0.04": "the M2PO paper's setting"},
 }
 
 
@@ -97,6 +142,67 @@ def table(name: str):
     return register
 
 
+def plot(path: str):
+    """Register the renderer of the image at `path` (from the repository root): `fn(results) -> figure or bytes`."""
+
+    def register(fn):
+        if path in PLOTS:
+            raise ValueError(f"plot {path!r} is registered twice")
+        PLOTS[path] = fn
+        return fn
+
+    return register
+
+
+def render_plot(path: str) -> tuple[bytes, list[str]]:
+    """The PNG of a registered image, drawn from its results files, and the files it read."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = Results()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # a script's drawing may report where it wrote
+            drawn = PLOTS[path](results)
+        if isinstance(drawn, bytes):
+            return drawn, results.read
+        buffer = io.BytesIO()
+        drawn.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+        plt.close(drawn)
+        return buffer.getvalue(), results.read
+    except Exception as err:
+        raise RenderError(f"plot {path!r}: {type(err).__name__}: {err}") from err
+
+
+def draw(path: str) -> None:
+    """Write one registered image from its results files."""
+    load_renderers()
+    (ROOT / path).write_bytes(render_plot(path)[0])
+
+
+def images(page: str, text: str) -> list[str]:
+    """The repository paths of the PNG images a page shows."""
+    base = (ROOT / page).parent
+    return [str((base / m["path"]).resolve().relative_to(ROOT)) for m in IMAGE_RE.finditer(text)]
+
+
+def image_problems(page: str, text: str) -> list[str]:
+    problems = []
+    for path in images(page, text):
+        if path not in PLOTS:
+            problems.append(f"{page}: image {path} is drawn by no renderer (`core.plot`)")
+            continue
+        try:
+            drawn = render_plot(path)[0]
+        except RenderError as err:
+            problems.append(f"{page}: {err}")
+            continue
+        if not (ROOT / path).exists() or (ROOT / path).read_bytes() != drawn:
+            problems.append(f"{page}: image {path} differs from its drawing from the results files")
+    return problems
+
+
 def load_renderers() -> None:
     """Import every module of this package but this one: each registers its figures and tables."""
     package = Path(__file__).parent
@@ -120,25 +226,82 @@ def machine_text(meta: dict) -> str:
     return str(machine) if machine else ""
 
 
+LOAD_KEYS = ("load_average_at_start", "load_average_at_end", "uptime", "load")
+LIBRARIES = {"torch": "torch", "transformers": "transformers", "trl": "TRL"}
+
+
+def _uses_vllm(meta: dict) -> bool:
+    return "vllm" in (meta.get("command") or "").lower()
+
+
 def provenance_problems(name: str) -> list[str]:
-    """What a results file lacks of machine, date and command."""
+    """What a results file lacks of machine, date, command, commit, library versions and load; a field that was not
+    recorded and cannot be measured again is present with the value "unknown" (the source line then says so)."""
     meta = meta_of(Results()(name))
-    missing = [key for key in ("machine", "date", "command") if not meta.get(key)]
-    return [f"benchmarks/results/{name}: meta has no {', '.join(missing)}"] if missing else []
+    missing = [key for key in ("machine", "date", "command", "git_commit", "versions") if not meta.get(key)]
+    if not any(meta.get(key) for key in LOAD_KEYS):
+        missing.append("load")
+    versions = meta.get("versions")
+    if isinstance(versions, dict):
+        wanted = [*LIBRARIES, "vllm"] if _uses_vllm(meta) else list(LIBRARIES)
+        missing += [f"versions.{lib}" for lib in wanted if not versions.get(lib)]
+    problems = [f"benchmarks/results/{name}: meta has no {', '.join(missing)}"] if missing else []
+    if meta.get("command"):
+        problems += _age.command_problems(name, meta) + _age.age_problems(name, meta)
+    return problems
+
+
+def load_text(meta: dict) -> str:
+    """The machine's load during the run, as recorded (1-minute load averages)."""
+    start, end = meta.get("load_average_at_start"), meta.get("load_average_at_end")
+    if isinstance(meta.get("uptime"), list):
+        found = [re.search(r"load average: ([\d.]+)", u) for u in meta["uptime"]]
+        loads = [float(m[1]) for m in found if m]
+        start, end = (loads[0], loads[-1]) if loads else (None, None)
+        start, end = [start], [end]
+    if isinstance(start, list) and start and start[0] is not None:
+        if isinstance(end, list) and end and len(meta.get("uptime") or []) > 1:
+            return f"load {start[0]:.1f} → {end[0]:.1f}"
+        return f"load {start[0]:.1f} at the start"
+    if isinstance(end, list) and end:
+        return f"load {end[0]:.1f} at the end"
+    load = meta.get("load")
+    return f"load: {load}" if load and load != _age.UNKNOWN else "load not recorded"
+
+
+def versions_text(meta: dict) -> str:
+    versions = meta.get("versions")
+    if not isinstance(versions, dict):
+        return "library versions not recorded"
+    libraries = dict(LIBRARIES, **({"vllm": "vLLM"} if versions.get("vllm") or _uses_vllm(meta) else {}))
+    return ", ".join(
+        f"{label} {versions[lib]}"
+        if versions.get(lib, _age.UNKNOWN) != _age.UNKNOWN
+        else f"{label} version not recorded"
+        for lib, label in libraries.items()
+    )
+
+
+def source_text(meta: dict) -> str:
+    """One source's provenance: machine, date, load, versions, command and commit (stale when marked so)."""
+    age, _ = _age.age(meta)
+    return (
+        f"{machine_text(meta)}, {meta.get('date')}, {load_text(meta)}, {versions_text(meta)}; "
+        f"`{meta.get('command')}`; {age}"
+    )
 
 
 def provenance_line(sources: list[str]) -> str:
-    parts = []
+    """A table's source lines: one per results file it read (and per row added to a file later)."""
+    lines = []
     for name in sources:
         data = Results()(name)
-        meta = meta_of(data)
-        parts.append(f"`results/{name}`: {machine_text(meta)}, {meta.get('date')}, `{meta.get('command')}`")
+        line = f"Source: `results/{name}`: {source_text(meta_of(data))}"
         for run in data.get("runs", []) if isinstance(data, dict) else []:  # rows added later (`--add`)
             if isinstance(run, dict) and isinstance(run.get("meta"), dict):
-                added = run["meta"]
-                when = f"{machine_text(added)}, {added.get('date')}, `{added.get('command')}`"
-                parts[-1] += f"; its seed {run.get('seed')}: {when}"
-    return "Source: " + "; ".join(parts) + "."
+                line += f"; its seed {run.get('seed')}: {source_text(run['meta'])}"
+        lines.append(line + ".")
+    return "\n\n".join(lines)
 
 
 class RenderError(Exception):
@@ -180,9 +343,18 @@ def update(text: str) -> str:
     return FIG_RE.sub(fig, TABLE_RE.sub(tab, text))
 
 
+# Tables that a test renders and compares with the page (their home is the test's run): marker -> the test.
+TEST_RENDERED = {
+    "architecture-matrix": "tests/test_architectures.py",
+    "architecture-findings": "tests/test_architectures.py",
+}
+
+
 def _strip_unchecked(text: str, yaml: bool) -> str:
     if yaml:  # a recipe: only its comments are prose
         text = "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    for marker in TEST_RENDERED:
+        text = re.sub(rf"<!-- {marker}:begin -->.*?<!-- {marker}:end -->", "", text, flags=re.S)
     text = TABLE_RE.sub("", text)
     text = FIG_RE.sub("", text)
     text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks: commands and settings
@@ -190,6 +362,7 @@ def _strip_unchecked(text: str, yaml: bool) -> str:
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     text = re.sub(r"\]\([^)]*\)|https?://\S+", "", text)  # link targets
     text = re.sub(r"\$[^$\n]+\$", "", text)  # inline math
+    text = re.sub(r"arXiv:? ?\d{4}\.\d{4,5}", "", text)  # paper identifiers
     return text
 
 
@@ -199,7 +372,7 @@ def unbacked(page: str, text: str) -> list[str]:
     prose = _strip_unchecked(text, yaml=page.endswith(".yaml"))
     for phrase in allowed:
         prose = prose.replace(phrase, "")
-    return [m[0] for m in MEASUREMENT.finditer(prose)]
+    return [m[0] for m in MEASUREMENT.finditer(prose) if not _is_tolerance(prose, m)]
 
 
 def pages() -> list[Path]:
@@ -215,8 +388,11 @@ def check_text(page: str, text: str) -> list[str]:
             problems.append(f"{page}: unknown table {m['name']!r}")
             continue
         try:
-            if m["body"].strip() != render_table(m["name"])[0].strip():
-                problems.append(f"{page}: table {m['name']!r} differs from its results file")
+            rendered = render_table(m["name"])[0].strip()
+            if m["body"].strip() != rendered:
+                body, _, sources = m["body"].strip().partition("\n\nSource: ")
+                what = "source lines" if body == rendered.partition("\n\nSource: ")[0] else "figures"
+                problems.append(f"{page}: table {m['name']!r} differs from its results file ({what})")
         except RenderError as err:
             problems.append(f"{page}: {err}")
     for m in FIG_RE.finditer(text):
@@ -234,6 +410,54 @@ def check_text(page: str, text: str) -> list[str]:
     return problems
 
 
+def _docstring_pages() -> list[tuple[str, Path, set[str] | None]]:
+    return [(str(path.relative_to(ROOT)), path, names) for path, names in _docstrings.published().items()]
+
+
+def check_docstrings(page: str, text: str, names: set[str] | None = None) -> list[str]:
+    """`check_text` of every docstring a published module's source publishes (`_docstrings.docstrings`)."""
+    problems = []
+    for name, doc in _docstrings.docstrings(text, names):
+        problems += [p.replace(f"{page}: ", f"{page} (docstring of {name}): ", 1) for p in check_text(page, doc)]
+    return problems
+
+
+def readers(problems: list[str] | None = None, plots: bool = True) -> dict[str, list[str]]:
+    """Every results file a renderer reads, with the renderers that read it (render errors go to `problems`)."""
+    found: dict[str, list[str]] = {}
+    kinds = [("figure", FIGURES, render_figure), ("table", TABLES, render_table)]
+    kinds += [("plot", PLOTS, render_plot)] if plots else []
+    for kind, names, render in kinds:
+        for name in names:
+            try:
+                for source in render(name)[1]:
+                    found.setdefault(source, []).append(f"{kind} {name!r}")
+            except RenderError as err:
+                if problems is not None:
+                    problems.append(str(err))
+    return found
+
+
+def sources() -> list[str]:
+    """The results files the figures and tables read."""
+    return sorted(readers(plots=False))
+
+
+def source_problems(source: str) -> list[str]:
+    """What is wrong with one results file: its provenance, its command, its stored aggregate."""
+    return provenance_problems(source) + _aggregates.problems(source)
+
+
+def check_sources() -> list[str]:
+    """`source_problems` of every results file the figures and tables read, each naming its readers."""
+    load_renderers()
+    return [
+        f"{p} (read by {', '.join(names)})"
+        for source, names in readers(plots=False).items()
+        for p in source_problems(source)
+    ]
+
+
 def check() -> list[str]:
     load_renderers()
     problems = []
@@ -241,29 +465,33 @@ def check() -> list[str]:
     for path in pages():
         page = str(path.relative_to(ROOT))
         text = path.read_text(encoding="utf8")
-        problems += check_text(page, text)
+        problems += check_text(page, text) + image_problems(page, text)
         used |= {m["name"] for m in FIG_RE.finditer(text)} | {m["name"] for m in TABLE_RE.finditer(text)}
-    sources = set()
-    for name, render in [(n, render_figure) for n in FIGURES] + [(n, render_table) for n in TABLES]:
-        try:
-            sources |= set(render(name)[1])
-        except RenderError as err:
-            problems.append(str(err))
-    for name in sorted(sources):
-        problems += provenance_problems(name)
-    unused = sorted((set(FIGURES) | set(TABLES)) - used)
+        used |= set(images(page, text))
+    for page, path, names in _docstring_pages():
+        text = path.read_text(encoding="utf8")
+        problems += check_docstrings(page, text, names)
+        used |= {m["name"] for m in FIG_RE.finditer(text)}
+    for source, names in sorted(readers(problems).items()):
+        problems += [f"{p} (read by {', '.join(names)})" for p in source_problems(source)]
+    unused = sorted((set(FIGURES) | set(TABLES) | set(PLOTS)) - used)
     problems += [f"renderer {name!r} is on no page" for name in unused]
     return problems
 
 
 def write() -> list[str]:
-    """Render every page in place; returns the pages that changed."""
+    """Render every page (and published docstring) in place; returns the pages that changed."""
     load_renderers()
     changed = []
-    for path in pages():
+    for path in pages() + [path for _, path, _ in _docstring_pages()]:
         text = path.read_text(encoding="utf8")
         new = update(text)
         if new != text:
             path.write_text(new, encoding="utf8")
             changed.append(str(path.relative_to(ROOT)))
+    for path in PLOTS:
+        drawn = render_plot(path)[0]
+        if not (ROOT / path).exists() or (ROOT / path).read_bytes() != drawn:
+            (ROOT / path).write_bytes(drawn)
+            changed.append(path)
     return changed

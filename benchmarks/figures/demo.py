@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from ._aggregates import aggregate, recompute, spread
 from .core import figure, table
 
 SUMMARY = re.compile(
@@ -19,8 +20,27 @@ def span(stat: dict, fmt: str = "{:.2f}", sep: str = "–") -> str:
     return low if low == high else f"{low}{sep}{high}"
 
 
+# the outcomes of a demo run that a seed sweep aggregates (those every run has)
+OUTCOMES = ("reward_first", "reward_last", "heldout_before", "heldout_after", "step_s", "wall_s")
+OUTCOMES += ("turns_first", "turns_last", "heldout_untrained")
+OUTCOMES += ("completion_length_first", "completion_length_last", "mismatch_abs_logp_first", "mismatch_abs_logp_last")
+
+
+@aggregate("demo_seeds")
+@aggregate("agentic_demo_")
+def seed_sweep(data: dict) -> dict:
+    """The spread over the seeds of each outcome of a seed sweep (`benchmarks/demo_seeds.py`), from its `runs`
+    (superseded rows, kept under `superseded`, are not runs)."""
+    rows = data["runs"]
+    out = {
+        key: spread([row[key] for row in rows]) | {"n": len(rows)} for key in OUTCOMES if all(key in r for r in rows)
+    }
+    out["heldout_gain"] = spread([row["heldout_after"] - row["heldout_before"] for row in rows]) | {"n": len(rows)}
+    return out
+
+
 def _aggregate(r) -> dict:
-    return r(SEEDS)["aggregate"]
+    return recompute(SEEDS, r(SEEDS))
 
 
 @figure("demo.seeds")
@@ -73,7 +93,7 @@ def demo_seeds(r) -> str:
             f"| {run['heldout_before']:.2f} → {run['heldout_after']:.2f} | {run['wall_s'] / 60:.1f} min "
             f"| {run['load_average_at_start'][0]:.1f} |"
         )
-    agg = data["aggregate"]
+    agg = recompute(SEEDS, data)
 
     def mean_sd(key: str) -> str:
         return f"{agg[key]['mean']:.2f} ± {agg[key]['sd']:.2f}"

@@ -34,8 +34,8 @@ def with_trl(r) -> list[dict]:
 @table("loss_step")
 def loss_step_table(r) -> str:
     lines = [
-        "| dtype | vocab | hf_rlloss | TRL chunked | naive logits | 3-GEMM floor | ÷ floor (median; per repeat) "
-        "| vs naive | vs TRL (time / memory) |",
+        "| dtype | vocab | hf_rlloss | TRL chunked | naive logits | 3-GEMM floor "
+        "| ÷ floor (ratio of the median times; per repeat) | vs naive | vs TRL (time / memory) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (dtype, vocab), _ in FILES.items():

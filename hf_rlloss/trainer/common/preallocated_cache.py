@@ -9,9 +9,9 @@ view of its filled prefix: one small copy per step, and attention over the fille
 
 Why not transformers' `StaticCache` (filled after the shared prefill): it attends over all `max_cache_len` positions
 at every step, the unfilled ones masked, under a 4D mask built per step; with 128-token prompts and 768-token
-completions (SmolLM2-135M's layer shape, 2 layers, 16 rows, float32, one CPU thread) a `generate` call took 1.17x
-the CPU time of this layer's (22.0, 23.1 s vs 18.6, 20.0 s), the same (9.6–9.8 s vs 9.6–9.9 s) with 1,024-token
-prompts and 256-token completions, where the unfilled part is small. A `StaticCache` also makes `generate` compile
+completions (SmolLM2-135M's layer shape, 2 layers, 16 rows, float32, one CPU thread) a `generate` call took more
+CPU time than with this layer, and about the same with 1,024-token prompts and 256-token completions, where the
+unfilled part is small (one run each, not kept as a results file). A `StaticCache` also makes `generate` compile
 the decoding forward on GPUs (`torch.compile`, one graph per cache length, so per generation batch). Where the
 completions stop early (end of sequence), the buffers' untouched pages are not resident on CPU (`torch.empty`).
 """

@@ -1,0 +1,163 @@
+"""How old a results file is, and whether its recorded command still runs.
+
+A results file's `meta` names the commit it was measured at (`git_commit`). The benchmark script its command runs
+declares the package modules it measures (`MEASURES`, a tuple of repository paths; a file written outside a
+benchmark script declares them in its own `meta["measures"]`). When `git log <commit>..HEAD -- <modules>` lists a
+commit, the measured code changed after the measurement: a table's source line says so, and
+`python -m benchmarks.refresh --stale` re-runs the file's command.
+
+The recorded command must parse with its script's own argument parser (`build_parser()` of a benchmark script,
+`parse_args(argv)` of a recipe) and, where the parser has `--out`, write the very file that records it.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import importlib
+import io
+import shlex
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+UNKNOWN = "unknown"
+# a commit not recorded at the run but derived afterwards: the value of `git_commit_source`, shown on the page
+DERIVED = "the commit that added the file"
+_SEPARATORS = {"&", "&&", ";", "|"}
+
+
+def commands(command: str) -> list[list[str]]:
+    """The commands of a recorded command line (several when joined by `&&`, `&` or `;`), each as its arguments
+    without leading `VAR=value` settings."""
+    out, current = [], []
+    for token in shlex.split(command) + ["&&"]:
+        if token in _SEPARATORS:
+            while current and "=" in current[0] and not current[0].startswith("-"):
+                current.pop(0)
+            if current:
+                out.append(current)
+            current = []
+        else:
+            current.append(token)
+    return out
+
+
+def script_of(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The repository script a command runs (`benchmarks/x.py`, `recipes/x.py`) and the arguments it passes it."""
+    for i, token in enumerate(argv):
+        if token.endswith(".py"):
+            return token, argv[i + 1 :]
+    return None, []
+
+
+def scripts(meta: dict) -> list[str]:
+    return [s for s, _ in map(script_of, commands(meta.get("command") or "")) if s]
+
+
+def _constant(path: Path, name: str):
+    """A module-level constant of a script, read without importing it."""
+    for node in ast.parse(path.read_text(encoding="utf8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def measured_modules(meta: dict) -> list[str]:
+    """The package modules the file's measurement ran: `meta["measures"]`, or its scripts' `MEASURES`."""
+    if meta.get("measures"):
+        return list(meta["measures"])
+    found: list[str] = []
+    for script in scripts(meta):
+        path = ROOT / script
+        for module in (_constant(path, "MEASURES") or ()) if path.exists() else ():
+            if module not in found:
+                found.append(module)
+    return found
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@functools.cache
+def changed_since(commit: str, modules: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The commits after `commit` that touch `modules` (None when `commit` is not in this repository's history)."""
+    if _git("cat-file", "-e", f"{commit}^{{commit}}").returncode != 0:
+        return None
+    return tuple(_git("log", "--format=%h", f"{commit}..HEAD", "--", *modules).stdout.split())
+
+
+def age(meta: dict) -> tuple[str, bool]:
+    """The source line's words on the file's commit, and whether the measured code changed since."""
+    commit = meta.get("git_commit")
+    if not commit or commit == UNKNOWN:
+        return "commit not recorded", False
+    where = f"measured at `{commit}`"
+    if meta.get("git_commit_source") == DERIVED:
+        where = f"measured at or before `{commit}` ({DERIVED}; none recorded at the run)"
+    modules = measured_modules(meta)
+    changed = changed_since(commit, tuple(modules)) if modules else ()
+    if changed is None:
+        return f"{where}, a commit not in this repository", False
+    return (f"{where}; the measured code changed since" if changed else where), bool(changed)
+
+
+def age_problems(name: str, meta: dict) -> list[str]:
+    """A file whose measured modules are not declared, or name paths that do not exist."""
+    where = f"benchmarks/results/{name}"
+    modules = measured_modules(meta)
+    if not modules:
+        return [f"{where}: no measured modules (the script's `MEASURES` or `meta.measures`)"]
+    return [f"{where}: measured module {m!r} does not exist" for m in modules if not (ROOT / m).exists()]
+
+
+@functools.cache
+def _script_module(script: str):
+    path = ROOT / script
+    if str(path.parent) not in sys.path:  # scripts import their siblings by their plain names
+        sys.path.insert(0, str(path.parent))
+    return importlib.import_module(path.stem)
+
+
+def parse(script: str, args: list[str]):
+    """`args` parsed by `script`'s own parser: a `SystemExit` (with argparse's message) when they do not parse."""
+    module = _script_module(script)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            if hasattr(module, "build_parser"):
+                return module.build_parser().parse_args(args)
+            if hasattr(module, "parse_args") and hasattr(module, "main"):  # a recipe: TrlParser with its YAML config
+                hints = typing.get_type_hints(module.main)
+                return module.parse_args(args, tuple(t for name, t in hints.items() if name != "return"))
+        except SystemExit as err:
+            raise SystemExit(stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue() else str(err)) from err
+        except ValueError as err:  # a recipe's own validation of its arguments
+            raise SystemExit(str(err)) from err
+    raise SystemExit(f"{script} has no build_parser() to parse its command with")
+
+
+def command_problems(name: str, meta: dict) -> list[str]:
+    """The recorded command does not parse with its script's parser, or writes another file than this one."""
+    where = f"benchmarks/results/{name}"
+    problems = []
+    argvs = commands(meta.get("command") or "")
+    for argv in argvs:
+        script, args = script_of(argv)
+        if script is None or not (ROOT / script).exists():
+            problems.append(f"{where}: its command runs no script of this repository: {shlex.join(argv)!r}")
+            continue
+        try:
+            parsed = parse(script, args)
+        except SystemExit as err:
+            problems.append(f"{where}: its command does not parse with {script}'s parser: {err}")
+            continue
+        out = getattr(parsed, "out", None)
+        if isinstance(out, (str, Path)) and Path(out).suffix and len(argvs) == 1:
+            if (ROOT / out).resolve() != (ROOT / "benchmarks" / "results" / name).resolve():
+                problems.append(f"{where}: its command writes {out}, not this file")
+    return problems

@@ -1,0 +1,100 @@
+"""The images on the user pages, drawn from the results files (`core.plot`): `python benchmarks/render_figures.py`
+writes them, and the check fails when a page shows an image no renderer draws or one that differs from its drawing."""
+
+from __future__ import annotations
+
+from .core import draw, plot
+
+__all__ = ["draw"]
+
+
+@plot("docs/agentic_demo.png")
+def agentic_demo(r):
+    return seed_curves(r("agentic_demo_seeds.json"))
+
+
+def seed_curves(result: dict):
+    """Per seed: the accuracy reward per step (and the turns per episode of a tool run), with the held-out accuracy
+    at the first and the last step as markers."""
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    panels = 2 if all("turns" in run for run in runs) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    for run in runs:
+        steps = range(1, len(run["reward"]) + 1)
+        (line,) = axes[0][0].plot(steps, run["reward"], lw=1, alpha=0.8, label=f"seed {run['seed']}")
+        axes[0][0].plot([0, len(run["reward"])], [run["heldout_before"], run["heldout_after"]], "D",
+                        color=line.get_color(), ms=6)  # fmt: skip
+        if panels == 2:
+            axes[0][1].plot(steps, run["turns"], lw=1, color=line.get_color(), label=f"seed {run['seed']}")
+    axes[0][0].set(
+        xlabel="step", ylabel="accuracy", title="reward per step (lines), held-out (diamonds)", ylim=(0, 1.02)
+    )
+    axes[0][0].legend(fontsize=8)
+    if panels == 2:
+        axes[0][1].set(xlabel="step", ylabel="turns per episode", title="assistant turns per conversation")
+    meta = result["meta"]
+    fig.suptitle(f"{meta['machine']['kind']}, {meta['date']}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+@plot("docs/async_demo_curves.png")
+def async_demo_curves(r):
+    """The logged async demo run's panels, as the recipe's own callback draws them (`plot_curves`)."""
+    import tempfile
+    from pathlib import Path
+
+    from hf_rlloss.recipe_support.callbacks import plot_curves
+
+    records = [record for record in r("async_demo_metrics.jsonl") if "step" in record]
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(plot_curves(records, str(Path(tmp) / "curves.png"))).read_bytes()
+
+
+@plot("docs/staleness_v2.png")
+def staleness_v2(r):
+    """Held-out accuracy per seed at the primary lag, and each pre-registered comparison's per-seed differences
+    (`benchmarks/staleness_experiment.py`'s own drawing, from its run files and `analysis.json`)."""
+    import tempfile
+    from pathlib import Path
+
+    import staleness_experiment
+
+    from .core import RESULTS
+
+    result = r("staleness_v2/analysis.json")
+    runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_v2")
+    with tempfile.TemporaryDirectory() as tmp:
+        staleness_experiment.make_plot(runs, result, Path(tmp) / "plot.png")
+        return (Path(tmp) / "plot.png").read_bytes()
+
+
+@plot("docs/async_staleness.png")
+def async_staleness(r):
+    """Reward per step, the mean over the seeds with a 5-step moving mean, by arm and lag (the exploratory runs)."""
+    import matplotlib.pyplot as plt
+    from async_staleness import ARM_NAMES, ARMS, _load
+
+    r("async_staleness/smollm2/meta.json")  # the run files' provenance
+    runs = _load("smollm2")
+    lags = sorted({k[0] for k in runs})
+    fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.6), squeeze=False, sharey=True)
+    colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
+    for ax, lag in zip(axes[0], lags):
+        for arm in ARMS:
+            curves = [rows for (lg, _, a), (rows, _) in runs.items() if lg == lag and a == arm]
+            if not curves:
+                continue
+            n = min(len(c) for c in curves)
+            mean = [sum(c[t]["reward"] for c in curves) / len(curves) for t in range(n)]
+            smooth = [sum(mean[max(0, t - 4) : t + 1]) / len(mean[max(0, t - 4) : t + 1]) for t in range(n)]
+            ax.plot(range(1, n + 1), smooth, color=colors[arm], label=f"{ARM_NAMES[arm]} ({len(curves)} seeds)")
+        ax.set_title(f"sampler lag {lag}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("reward (mean over seeds, 5-step moving mean)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
