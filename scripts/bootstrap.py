@@ -311,7 +311,7 @@ def clean() -> int:
     removed = environments_to_clean(ROOT, venv)
     for path in [*removed, ROOT / "outputs"]:
         if path.exists():
-            say(f"removing {path}")
+            say(f"{'dry run, would remove' if dry_run() else 'removing'} {path}")
             if not dry_run():
                 shutil.rmtree(path)
     if venv.exists() and venv not in removed:
