@@ -14,6 +14,7 @@ synchronous tool loop) and the worker, so that:
 
 from __future__ import annotations
 
+import math
 import queue
 import re
 import time
@@ -46,6 +47,7 @@ from hf_rlloss.trainer.async_.cpu_rollout import (
 from hf_rlloss.trainer.async_.multiturn import (
     ContextOverflowError,
     MalformedToolCallError,
+    NonFiniteRewardError,
     ToolRaisedError,
     ToolTimeoutError,
 )
@@ -172,7 +174,6 @@ def test_worker_builds_the_synchronous_trainers_rollouts(sync_run, tool_policy, 
             assert torch.allclose(torch.tensor(sample.old_log_probs[len(prompt) :])[model], expected)
             assert (sample.old_log_probs[len(prompt) :][~model.numpy()] == 0).all()  # replies: no behaviour log-prob
             multi_turn += int((mask == 0).any())
-        rewards = np.array([s.metrics["reward"] for s in samples[4 * step : 4 * step + 4]])
         advantages = np.array([s.advantage for s in samples[4 * step : 4 * step + 4]])
         assert np.allclose(advantages, batch["advantages"].numpy(), atol=1e-6)  # both scale_rewards="none"
     assert multi_turn == 2 * len(batches)  # half of each group called the tool
@@ -266,9 +267,11 @@ def test_rollout_is_of_a_multi_turn_sample_against_an_independent_computation(sy
     assert log["rollout_is/max"] == pytest.approx(float(rho.max()), rel=1e-4)
 
 
-def _train_with_worker(tool_policy, tool_tok, tmp_path, max_steps=2, **worker_options):
+def _train_with_worker(tool_policy, tool_tok, tmp_path, max_steps=2, max_consecutive_empty_steps=8,
+                       **worker_options):  # fmt: skip
     """RLLossAsyncGRPOTrainer with a spawned HFGenerateRolloutWorker running the scripted multi-turn rollouts."""
-    args = async_args(tmp_path, max_staleness=2, max_steps=max_steps)
+    args = async_args(tmp_path, max_staleness=2, max_steps=max_steps,
+                      max_consecutive_empty_steps=max_consecutive_empty_steps)  # fmt: skip
     worker = HFGenerateRolloutWorker(tool_policy, rows(PAIRS), [reward_correct], tool_tok, args, **worker_options)
     worker._settings.loop_class = ScriptedWorkerLoop
     with portable_async_trl():
@@ -481,3 +484,43 @@ def test_tools_on_the_trainer_with_an_injected_worker_are_refused(tool_policy, t
         RLLossAsyncGRPOTrainer(tool_policy, [reward_correct], async_args(tmp_path), rows(PAIRS), tool_tok,
                                tools=[multiply], rollout_worker=FixedRolloutWorker([]),
                                weight_transfer=NoWeightTransfer())  # fmt: skip
+
+
+def test_a_run_dropping_every_group_ends_in_a_named_error_within_its_bound(tool_policy, tool_tok, tmp_path):
+    """A tool that always fails, under "drop": every group is dropped. The spawned worker stops after
+    max_consecutive_empty_steps (2) steps' worth of groups dropped in a row, and the trainer raises it by name, instead
+    of waiting for ever on a worker that makes empty batches (and, formerly, ticked its heartbeat)."""
+    start = time.monotonic()
+    with pytest.raises(RolloutWorkerDiedError) as caught:
+        _train_with_worker(tool_policy, tool_tok, tmp_path, tools=[multiply_badly], on_rollout_error="drop",
+                           max_consecutive_empty_steps=2)  # fmt: skip
+    cause = str(caught.value.__cause__)
+    assert "NoRolloutSamplesError: the last 2 prompt groups were all dropped" in cause, cause
+    assert "tool_raised: 2" in cause
+    assert time.monotonic() - start < 90.0
+
+
+class NaNRewardEnvironment(MultiplyEnvironment):
+    """An environment whose `get_reward` is NaN for the conversations that called its tool."""
+
+    def get_reward(self):
+        return math.nan if self.calls else 1.0
+
+
+@pytest.mark.parametrize("policy", ["feed_back", "drop", "raise"])
+def test_a_non_finite_environment_reward_is_counted_and_follows_the_policy(tool_policy, tool_tok, tmp_path, policy):
+    loop = worker_loop(tool_policy, tool_tok, async_args(tmp_path), dataset=rows(PAIRS[:1]),
+                       environment_factory=NaNRewardEnvironment, on_rollout_error=policy)  # fmt: skip
+    if policy == "raise":
+        with pytest.raises(NonFiniteRewardError, match="NaNRewardEnvironment returned nan"):
+            loop._generate_batch()
+        return
+    samples = loop._generate_batch()
+    metrics = drain(loop.metrics_queue)
+    assert sum(metrics["rollout/errors/nonfinite_reward_total"]) == 2  # the two conversations that called the tool
+    if policy == "drop":
+        assert samples == [] and sum(metrics["rollout/dropped_groups/nonfinite_reward_total"]) == 1
+    else:  # the environment's column left unscored (as TRL's skipped reward), and said so
+        column = [s.metrics["rewards/NaNRewardEnvironment"] for s in samples]
+        assert [math.isnan(r) for r in column] == [True, False, True, False]
+        assert all(math.isfinite(s.advantage) for s in samples)
