@@ -381,7 +381,8 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
         torch.testing.assert_close(recorded, expected, atol=1e-4, rtol=0)
     rewards = np.array([s.metrics["reward"] for s in samples[: args.num_generations]])
     advantages = [s.advantage for s in samples[: args.num_generations]]
-    np.testing.assert_allclose(advantages, (rewards - rewards.mean()) / (rewards.std() + 1e-8), rtol=1e-6)
+    # scale_rewards="group" (the default, TRL's GRPOTrainer's): unbiased std + 1e-4
+    np.testing.assert_allclose(advantages, (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4), rtol=1e-6)
 
 
 def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(policy, tok, tmp_path):
