@@ -384,10 +384,12 @@ def _tool_replies(sample, tok) -> str:
         ("raises", _call("divide", a=1, b=0), ToolRaisedError, {}),
         ("hangs", _call("wait", seconds=30), ToolTimeoutError, {"tool_timeout_s": 0.3, "tools": (wait,)}),
         ("unknown tool", _call("root", x=2), MalformedToolCallError, {}),
+        ("not an object", '<tool_call>\n{"name": "divide", "arguments": [1, 2]}\n</tool_call>', MalformedToolCallError,
+         {}),
         ("does not parse", '<tool_call>\n{"name": "divide", "arguments": {"a": 1,\n</tool_call>',
          MalformedToolCallError, {}),
     ],
-    ids=["raises", "hangs", "unknown_tool", "does_not_parse"],
+    ids=["raises", "hangs", "unknown_tool", "arguments_not_an_object", "does_not_parse"],
 )  # fmt: skip
 def test_bad_tool_calls_are_named_counted_and_follow_the_policy(tool_policy, tool_tok, tmp_path, case, call, error,
                                                                 options):  # fmt: skip
@@ -402,6 +404,8 @@ def test_bad_tool_calls_are_named_counted_and_follow_the_policy(tool_policy, too
         assert "division by zero" in _tool_replies(samples[0], tool_tok)  # TRL's feed-back, as GRPOTrainer's
     if case == "hangs":
         assert "did not return within tool_timeout_s=0.3s" in _tool_replies(samples[0], tool_tok)
+    if case == "not an object":  # Python's own error, fed back as TRL does, naming the tool
+        assert "divide() argument after ** must be a mapping, not list" in _tool_replies(samples[0], tool_tok)
     samples, metrics = _errors(tool_policy, tool_tok, tmp_path / "drop", call, policy="drop", **options)
     assert samples == [] and sum(metrics[f"rollout/dropped_groups/{error.kind}_total"]) == 1
     with pytest.raises(error):

@@ -224,6 +224,7 @@ class _Guarded:
     def __init__(self, tool: Callable, errors: list[RolloutError], timeout_s: float):
         self.tool, self.errors, self.timeout_s = tool, errors, timeout_s
         self.__name__ = tool.__name__
+        self.__qualname__ = getattr(tool, "__qualname__", tool.__name__)  # Python's `**` error names the tool by it
 
     def __call__(self, **arguments: Any) -> Any:
         box: dict[str, Any] = {}
@@ -406,6 +407,14 @@ class MultiTurnRollouts:
                     episode.errors.append(
                         MalformedToolCallError(
                             f"the model called {function.get('name')!r}, not one of the tools {sorted(tools)}"
+                        )
+                    )
+                elif not isinstance(function.get("arguments"), dict):  # TRL's `**arguments` failed: fed back, named
+                    episode.unknown_tool_calls += 1
+                    episode.errors.append(
+                        MalformedToolCallError(
+                            f"the model called {function.get('name')!r} with arguments "
+                            f"{function.get('arguments')!r}: not an object"
                         )
                     )
             answered = k + 1 < len(messages) and messages[k + 1].get("role") == "tool"
