@@ -199,6 +199,7 @@ def main():
                 row[f"{m}_s"] = statistics.median(r["seconds"] for r in runs)
                 row[f"{m}_peak_mb"] = statistics.median(r["peak_mb"] for r in runs)
                 row[f"{m}_runs_s"] = [round(r["seconds"], 3) for r in runs]
+                row[f"{m}_runs_peak_mb"] = [r["peak_mb"] for r in runs]
             if "hf_rlloss" in samples and "gemm_floor" in samples:  # per repeat: the spread of the ratio itself
                 pairs = zip(samples["hf_rlloss"], samples["gemm_floor"])
                 row["floor_ratio_per_repeat"] = [round(a["seconds"] / b["seconds"], 3) for a, b in pairs]

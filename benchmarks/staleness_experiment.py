@@ -569,8 +569,10 @@ def descriptives(runs: dict, untrained: dict | None) -> list[dict]:
     return rows
 
 
-def analyze(out: Path, plot: Path) -> dict:
-    runs, untrained = load_runs(out)
+def analysis(runs: dict, untrained: dict | None) -> dict:
+    """The pre-registered tests and the exploratory descriptives of a set of runs (`load_runs`): what
+    `analysis.json` holds besides its `meta` (a function of the run files only: `benchmarks/figures/` recomputes
+    it)."""
     primary = compare(runs, "C", "B", PRIMARY_LAG, LR, PRIMARY_SEEDS)
     t = primary.get("paired_t")
     primary["positive"] = None if not primary["complete"] else bool(t["p"] < 0.05 and t["mean_diff"] > 0)
@@ -580,18 +582,25 @@ def analyze(out: Path, plot: Path) -> dict:
     tested = [s for s in secondary if "paired_t" in s]
     for s, p in zip(tested, stats.holm([s["paired_t"]["p"] for s in tested])):
         s["holm_p"] = p
-    steps = sorted({d["config"]["steps"] for d in runs.values()})
-    off_plan = sorted(name_of(d) for d in runs.values() if d["config"]["steps"] != STEPS)
-    result = {
-        "meta": {**provenance(), "preregistration": "docs/staleness_preregistration.md", "run_steps": steps,
-                 "preregistered_steps": STEPS, "runs": len(runs),
-                 "runs_not_at_preregistered_steps": off_plan},
+    return {
         "untrained_accuracy": untrained["summary"]["heldout_accuracy"] if untrained else None,
         "primary": primary,
         "secondary": secondary,
         "holm_family": [s["name"] for s in tested],
         "lag_curve": [compare(runs, "C", "B", lag, LR, SECONDARY_SEEDS) for lag in (2, 4, PRIMARY_LAG)],
         "descriptives": descriptives(runs, untrained),
+    }
+
+
+def analyze(out: Path, plot: Path) -> dict:
+    runs, untrained = load_runs(out)
+    steps = sorted({d["config"]["steps"] for d in runs.values()})
+    off_plan = sorted(name_of(d) for d in runs.values() if d["config"]["steps"] != STEPS)
+    result = {
+        "meta": {**provenance(), "preregistration": "docs/staleness_preregistration.md", "run_steps": steps,
+                 "preregistered_steps": STEPS, "runs": len(runs),
+                 "runs_not_at_preregistered_steps": off_plan},
+        **analysis(runs, untrained),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")

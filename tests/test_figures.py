@@ -140,7 +140,7 @@ def test_add_keeps_a_superseded_row_with_its_reason():
     [
         ("the gap was 2.7e-06 after 3 steps", ["2.7e-06"]),
         ("measured ≤ 1e-8, and at most 4e-9", ["1e-8", "4e-9"]),
-        ("parity to 1e-6, within 1e-5, (1e-6), lr 3e-5, of order 1e-10", []),
+        ("parity to 1e-6, within 1e-5, (1e-6), lr 3e-5, of order 1e-10, std + 1e-4", []),
         ("a ratio of 1.1234 and a value of 0.0032", ["1.1234", "0.0032"]),
         ("a 55 KB sample, 1.17x the time, 1.5 times the rate", ["55 KB", "1.17x", "1.5 times"]),
         ("arXiv 2510.11370 and version 0.115.2", []),
@@ -272,3 +272,88 @@ def test_an_image_no_renderer_draws_is_named():
     assert [p for p in core.image_problems(page, text) if "hand_drawn" in p] == [
         f"{page}: image docs/hand_drawn.png is drawn by no renderer (`core.plot`)"
     ]
+
+
+@pytest.mark.parametrize(
+    "name, edit, reader",
+    [
+        ("packing_idle_1proc.json", lambda d: d["rows"]["long|1"]["off"]["train_s"].update(median=9.0),
+         "table 'packing.summary'"),
+        ("generation_generate.json", lambda d: d["rows"]["long64"]["generate"]["shared"].update(generate_cpu_s=1.0),
+         "table 'generation.generate'"),
+        ("loss_step_fp32_49k.json", lambda d: d["rows"][0].update(hf_rlloss_s=4.0), "table 'loss_step'"),
+        ("scaling.json", lambda d: d["memory_mb_per_1k_tokens"].update(hf_rlloss=1.0), "table 'scaling'"),
+        ("staleness_v2/analysis.json", lambda d: d["primary"]["paired_t"].update(p=0.01),
+         "figure 'staleness_v2.primary'"),
+    ],
+)  # fmt: skip
+def test_an_edited_median_or_analysis_fails_and_the_pages_show_the_runs(tmp_path, monkeypatch, name, edit, reader):
+    """Every stored aggregate is recomputed from the per-run rows: the repeats' samples, the runs' times, the rows of
+    a sweep, the per-seed files of an experiment (copied along for `staleness_v2`)."""
+    import shutil
+
+    rendered = {kind: dict.fromkeys(names) for kind, names in (("table", core.TABLES), ("figure", core.FIGURES))}
+    for kind, render in (("table", core.render_table), ("figure", core.render_figure)):
+        for key in rendered[kind]:
+            try:
+                rendered[kind][key] = render(key)[0]
+            except core.RenderError:
+                pass
+    monkeypatch.setattr(core, "RESULTS", tmp_path)
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path, dirs_exist_ok=True)
+    assert core.source_problems(name) == []
+    data = json.loads((tmp_path / name).read_text())
+    edit(data)
+    (tmp_path / name).write_text(json.dumps(data))
+    problems = [p for p in core.check_sources() if f"benchmarks/results/{name}:" in p]
+    assert problems and all(reader in p and ": stored " in p for p in problems), problems
+    # the pages show what the runs give, never the edited value
+    for kind, render in (("table", core.render_table), ("figure", core.render_figure)):
+        for key, text in rendered[kind].items():
+            if text is not None:
+                assert render(key)[0] == text, key
+
+
+def _demo_step_file(repeats: int) -> dict:
+    """A `generation.py --kinds step` results file with `repeats` interleaved repeats (rotating order)."""
+    variants = ["trl", "today", "shared"]
+    runs = {v: [] for v in variants}
+    for repeat in range(repeats):
+        order = variants[repeat % 3 :] + variants[: repeat % 3]
+        for position, v in enumerate(order):
+            base = {"trl": 40.0, "today": 16.0, "shared": 14.0}[v] + repeat
+            runs[v].append({
+                "step_s": base * 1.5, "step_cpu_s": base, "generation_s": base / 2, "generation_cpu_s": base / 3,
+                "peak_mb": 1000.0 + repeat, "reward": [0.0], "repeat": repeat,
+                "started_utc": f"10:{repeat:02d}:{position:02d}", "load_average_at_start": [1.0 + repeat, 1.0, 1.0],
+            })  # fmt: skip
+    meta = core.meta_of(core.Results()("generation_demo_fp32.json")) | {"repeats": repeats}
+    return {"meta": meta, "rows": {}, "samples": {"step/demo": runs}}
+
+
+def test_the_demo_step_table_shows_every_repeat_with_its_load_and_order(tmp_path, monkeypatch):
+    import shutil
+
+    three = _demo_step_file(3)
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path, dirs_exist_ok=True)
+    monkeypatch.setattr(core, "RESULTS", tmp_path)
+    (tmp_path / "generation_demo_fp32.json").write_text(json.dumps(three))
+    text = core.render_table("generation.demo_step")[0]
+    lines = text.splitlines()
+    assert lines[2] == "| step, CPU s (median of 3) | 41.00 | 17.00 | 15.00 | 0.88× | 0.37× |"
+    assert lines[3].startswith("| step, wall s (median of 3) | 61.50 | 25.50 | 22.50 |")
+    assert lines[6] == (
+        "| repeat 1 (order: stock TRL, every row, shared): step CPU s / wall s, load at its start "
+        "| 40.00 / 60.00, load 1.0 | 16.00 / 24.00, load 1.0 | 14.00 / 21.00, load 1.0 | 0.88× / 0.88× "
+        "| 0.35× / 0.35× |"
+    )
+    assert lines[7].startswith("| repeat 2 (order: every row, shared, stock TRL): step CPU s / wall s, load at its")
+    assert "| 41.00 / 61.50, load 2.0 |" in lines[7]
+    assert lines[8].startswith("| repeat 3 (order: shared, stock TRL, every row)") and "load 3.0" in lines[8]
+    assert core.render_figure("generation.demo_step_repeats")[0] == (
+        "the median of 3 repeats, the variants interleaved in rotating order"
+    )
+    headline = core.render_table("headline")[0]
+    assert "| whole demo step, float32, generation included (CPU time, median of 3 repeats) | 15.00 s | 41.00 s |" in (
+        headline
+    )

@@ -68,10 +68,10 @@ MEASUREMENT = re.compile(
     + E_NOTATION.pattern
 )
 # e-notation is a tolerance or a setting, not a measurement, right after a bound or a setting's name ("to 1e-6",
-# "(1e-6)", "≤ 1e-5", "lr 3e-5", "of order 1e-10") unless a measurement is named there ("measured ≤ 1e-8",
-# "at most 4e-9").
+# "(1e-6)", "≤ 1e-5", "lr 3e-5", "of order 1e-10", an epsilon "std + 1e-4") unless a measurement is named there
+# ("measured ≤ 1e-8", "at most 4e-9").
 _TOLERANCE_BEFORE = re.compile(
-    r"(?:\b(?:to|within|at|below|above|relative|lr|rate|AdamW|bound|tolerance|order)|[≤<>≥=(±≈])[\s,]*$", re.I
+    r"(?:\b(?:to|within|at|below|above|relative|lr|rate|AdamW|bound|tolerance|order)|[≤<>≥=(±≈+])[\s,]*$", re.I
 )
 _MEASURED_BEFORE = re.compile(r"\b(?:measured?|most|largest|max(?:imum)?|was|is)\b[^\w]*(?:≤|<|=)?\s*$", re.I)
 

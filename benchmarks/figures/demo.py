@@ -28,7 +28,7 @@ OUTCOMES += ("completion_length_first", "completion_length_last", "mismatch_abs_
 
 @aggregate("demo_seeds")
 @aggregate("agentic_demo_")
-def seed_sweep(data: dict) -> dict:
+def seed_sweep(data: dict, name: str = "") -> dict:
     """The spread over the seeds of each outcome of a seed sweep (`benchmarks/demo_seeds.py`), from its `runs`
     (superseded rows, kept under `superseded`, are not runs)."""
     rows = data["runs"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 
+from ._aggregates import aggregate, recompute
 from ._units import times
 from .core import figure, table
 
@@ -12,11 +13,32 @@ GENERATE = "generation_generate.json"
 DEMO_STEP = "generation_demo_fp32.json"
 DEMO_RUN = "demo_shared_generation.json"
 VARIANTS = ("today", "shared_concat", "shared")  # every row prefilled, concatenating cache, preallocated buffers
+STEP_VARIANTS = {"trl": "stock TRL", "today": "every row", "shared": "shared"}
 COMPLETIONS = {"long64": 64, "long256": 256}
+# per-run records that are not measurements to take the median of
+SAMPLE_ONLY = ("reward", "tokens", "repeat", "started_utc", "load_average_at_start")
+
+
+@aggregate("generation_", block="rows", every_key=False)
+def generation_rows(data: dict, name: str = "") -> dict:
+    """The `rows` of a `benchmarks/generation.py` results file from its repeats (`samples`, keyed `kind/workload`):
+    per workload, kind and variant the median over the repeats of each measure, and the sampled tokens' hashes."""
+    rows: dict = {}
+    for key, by_variant in data["samples"].items():
+        kind, workload = key.split("/")
+        rows.setdefault(workload, {})[kind] = {
+            variant: {m: statistics.median(run[m] for run in runs) for m in runs[0] if m not in SAMPLE_ONLY}
+            for variant, runs in by_variant.items()
+        }
+        if kind == "generate":
+            rows[workload]["tokens"] = {
+                variant: [run["tokens"] for run in runs] for variant, runs in by_variant.items()
+            }
+    return rows
 
 
 def _generate(r, workload: str) -> dict:
-    return r(GENERATE)["rows"][workload]
+    return recompute(GENERATE, r(GENERATE))[workload]
 
 
 @table("generation.generate")
@@ -59,10 +81,50 @@ def decode_step_ms(r) -> str:
     return f"{ms[0]:.0f} ms, {ms[1]:.0f} ms and {ms[2]:.0f} ms"
 
 
+def _demo_runs(r) -> dict[str, list[dict]]:
+    """The demo step's repeats per variant, each with its repeat index."""
+    runs = r(DEMO_STEP)["samples"]["step/demo"]
+    return {v: [{"repeat": i} | run for i, run in enumerate(runs[v])] for v in STEP_VARIANTS}
+
+
+def _demo_medians(r) -> dict:
+    return recompute(DEMO_STEP, r(DEMO_STEP))["demo"]["step"]
+
+
+def _repeats(n: int) -> str:
+    return "one repeat" if n == 1 else f"{n} repeats"
+
+
+@figure("generation.demo_step_repeats")
+def demo_step_repeats(r) -> str:
+    """How many repeats the demo-step table's medians are of, and how they were ordered."""
+    n = len(_demo_runs(r)["shared"])
+    return (
+        "**one repeat only**" if n == 1 else f"the median of {n} repeats, the variants interleaved in rotating order"
+    )
+
+
+def _load(run: dict) -> str:
+    load = run.get("load_average_at_start")
+    return f"load {load[0]:.1f}" if load else "load not recorded"
+
+
+def _order(runs: dict[str, list[dict]], repeat: int) -> str:
+    """The order the variants ran in within one repeat (by their start times, when recorded)."""
+    started = {v: runs[v][repeat].get("started_utc") for v in STEP_VARIANTS}
+    if not all(started.values()):
+        return "order not recorded"
+    return "order: " + ", ".join(STEP_VARIANTS[v] for v in sorted(started, key=started.get))
+
+
 @table("generation.demo_step")
 def demo_step(r) -> str:
-    x = r(DEMO_STEP)["rows"]["demo"]["step"]
+    """The demo's whole step per variant: the medians over the repeats, then each repeat's CPU and wall seconds and
+    the load at its start (1-minute load average), with the ratios of that repeat."""
+    x, runs = _demo_medians(r), _demo_runs(r)
     trl, every, shared = x["trl"], x["today"], x["shared"]
+    n = len(runs["shared"])
+    of = f" (median of {n})" if n > 1 else ""
     lines = [
         "| | stock TRL | every row prefilled (`shared_prompt_generation=False`) | shared (default) "
         "| shared ÷ every row | shared ÷ stock TRL |",
@@ -71,11 +133,37 @@ def demo_step(r) -> str:
     measures = (("step_cpu_s", "step, CPU s"), ("step_s", "step, wall s"), ("generation_cpu_s", "generation, CPU s"))
     for key, label in measures:
         lines.append(
-            f"| {label} | {trl[key]:.2f} | {every[key]:.2f} | {shared[key]:.2f} "
+            f"| {label}{of} | {trl[key]:.2f} | {every[key]:.2f} | {shared[key]:.2f} "
             f"| {times(shared[key] / every[key])} | {times(shared[key] / trl[key])} |"
         )
-    lines.append(f"| peak MB | {trl['peak_mb']:.0f} | {every['peak_mb']:.0f} | {shared['peak_mb']:.0f} | | |")
+    lines.append(f"| peak MB{of} | {trl['peak_mb']:.0f} | {every['peak_mb']:.0f} | {shared['peak_mb']:.0f} | | |")
+    for i in range(n):
+        cells = [runs[v][i] for v in STEP_VARIANTS]
+        trl_i, every_i, shared_i = cells
+
+        def ratio(a: dict, b: dict) -> str:
+            return f"{times(a['step_cpu_s'] / b['step_cpu_s'])} / {times(a['step_s'] / b['step_s'])}"
+
+        lines.append(
+            f"| repeat {i + 1} ({_order(runs, i)}): step CPU s / wall s, load at its start | "
+            + " | ".join(f"{c['step_cpu_s']:.2f} / {c['step_s']:.2f}, {_load(c)}" for c in cells)
+            + f" | {ratio(shared_i, every_i)} | {ratio(shared_i, trl_i)} |"
+        )
     return "\n".join(lines)
+
+
+@figure("generation.demo_generation_share")
+def demo_generation_share(r) -> str:
+    """Generation's share of the shared variant's step, in CPU seconds (medians)."""
+    shared = _demo_medians(r)["shared"]
+    return f"{shared['generation_cpu_s'] / shared['step_cpu_s'] * 100:.0f} %"
+
+
+@figure("generation.demo_generation_saved")
+def demo_generation_saved(r) -> str:
+    """The share of generation's CPU seconds that sharing the prompts saves (medians)."""
+    x = _demo_medians(r)
+    return f"{(1 - x['shared']['generation_cpu_s'] / x['today']['generation_cpu_s']) * 100:.0f} %"
 
 
 def _wall_s(span: str) -> int:

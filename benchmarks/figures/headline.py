@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from ._aggregates import recompute
 from ._units import mb, sec, times
 from .core import table
-from .loss_step import FILES, TRL_FP32_152K
+from .generation import DEMO_STEP
+from .loss_step import FILES, TRL_FP32_152K, row, rows
 
 
 def _gb(x_mb: float) -> str:
@@ -14,8 +16,8 @@ def _gb(x_mb: float) -> str:
 @table("headline")
 def headline(r) -> str:
     lines = ["| | hf_rlloss | TRL 1.16 | ratio |", "|---|---|---|---|"]
-    for (dtype, vocab), name in FILES.items():
-        x = r(name)["rows"][0]
+    for dtype, vocab in FILES:
+        x = row(r, (dtype, vocab))
         floor = times(x["hf_rlloss_s"] / x["gemm_floor_s"])
         ours = f"{sec(x['hf_rlloss_s'])}, {mb(x['hf_rlloss_peak_mb'])} ({floor} floor)"
         speedup = times(x["naive_s"] / x["hf_rlloss_s"])
@@ -27,12 +29,12 @@ def headline(r) -> str:
                 f"{times(x['hf_rlloss_peak_mb'] / x['trl_chunked_peak_mb'])} memory**; {naive}"
             )
         else:
-            t = r(TRL_FP32_152K)["rows"][0]
+            t = rows(r, TRL_FP32_152K)[0]
             trl = f"{sec(t['trl_chunked_s'])}, {mb(t['trl_chunked_peak_mb'])} (a separate run)"
             ratio = naive
         lines.append(f"| loss step, {dtype}, vocab {round(vocab / 1000)}k | {ours} | {trl} | {ratio} |")
 
-    growth = r("scaling.json")["memory_mb_per_1k_tokens"]
+    growth = recompute("scaling.json", r("scaling.json"))
     lines.append(
         f"| loss-step memory growth with completion length | {growth['hf_rlloss']:.1f} MB per 1k tokens "
         f"| {growth['trl_chunked']:.0f} MB per 1k tokens | no `(tokens, vocab)` term |"
@@ -46,10 +48,12 @@ def headline(r) -> str:
         f"**{times(ours['step_s'] / trl['step_s'])} time, {times(ours['peak_mb'] / trl['peak_mb'])} memory** |"
     )
 
-    demo = r("generation_demo_fp32.json")["rows"]["demo"]["step"]
+    demo = recompute(DEMO_STEP, r(DEMO_STEP))["demo"]["step"]
     ours, trl = demo["shared"], demo["trl"]
+    repeats = len(r(DEMO_STEP)["samples"]["step/demo"]["shared"])
     lines.append(
-        f"| whole demo step, float32, generation included (CPU time, one repeat) | {sec(ours['step_cpu_s'])} "
+        f"| whole demo step, float32, generation included (CPU time, "
+        f"{'one repeat' if repeats == 1 else f'median of {repeats} repeats'}) | {sec(ours['step_cpu_s'])} "
         f"| {sec(trl['step_cpu_s'])} | **{times(ours['step_cpu_s'] / trl['step_cpu_s'])} CPU time** |"
     )
 

@@ -3,6 +3,9 @@ and the three-GEMM floor."""
 
 from __future__ import annotations
 
+import statistics
+
+from ._aggregates import aggregate, recompute
 from ._units import mb, sec, span, times
 from .core import figure, table
 
@@ -14,10 +17,36 @@ FILES = {
     ("fp32", 151936): "loss_step_fp32_152k.json",
 }
 TRL_FP32_152K = "loss_step_fp32_152k_trl.json"  # TRL at fp32 152k: a separate run
+METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
+
+
+@aggregate("loss_step_", block="rows", every_key=False, abs_tol=2e-3)  # per-run times are recorded to the ms
+def loss_step_rows(data: dict, name: str = "") -> list[dict]:
+    """Per row of a `benchmarks/loss_step.py` results file, from its repeats: each method's median time
+    (`{method}_runs_s`) and peak memory (`{method}_runs_peak_mb`, where recorded), and hf_rlloss ÷ floor per repeat.
+    A row without repeats (one run) is its own median."""
+    out = []
+    for x in data["rows"]:
+        row = {}
+        for method in METHODS:
+            for runs, median in ((f"{method}_runs_s", f"{method}_s"), (f"{method}_runs_peak_mb", f"{method}_peak_mb")):
+                if runs in x:
+                    row[median] = statistics.median(x[runs])
+        if "hf_rlloss_runs_s" in x and "gemm_floor_runs_s" in x:
+            pairs = zip(x["hf_rlloss_runs_s"], x["gemm_floor_runs_s"])
+            row["floor_ratio_per_repeat"] = [a / b for a, b in pairs]
+        out.append(row)
+    return out
+
+
+def rows(r, name: str) -> list[dict]:
+    """A results file's rows with every median recomputed from its repeats (the peak memory of a file that recorded
+    only its median per method: that median)."""
+    return [x | computed for x, computed in zip(r(name)["rows"], recompute(name, r(name)))]
 
 
 def row(r, key) -> dict:
-    return r(FILES[key])["rows"][0]
+    return rows(r, FILES[key])[0]
 
 
 def cell(x: dict, method: str) -> str:
@@ -96,5 +125,5 @@ def fp32_49k_floor_runs(r) -> str:
 
 @figure("loss_step.trl_fp32_152k")
 def trl_fp32_152k(r) -> str:
-    x = r(TRL_FP32_152K)["rows"][0]
+    x = rows(r, TRL_FP32_152K)[0]
     return cell(x, "trl_chunked")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+
+from ._aggregates import aggregate, recompute
 from ._units import times
 from .core import figure, table
 
@@ -14,8 +17,50 @@ WORKLOADS = {
 }
 
 
+G = 8  # completions per prompt in every workload
+
+
+def _summary(runs: list[dict]) -> dict:
+    """One mode's repeats: the median, min and max of the step and training-phase times and of the peak memory;
+    the positions padded and forwarded in the last repeat's timed step; `G × (prompt + longest completion)` over
+    `(prompt + Σ completions)` of that step's group (the arithmetic share of `shared_prefix`, synthetic workloads)."""
+
+    def spread(key: str) -> dict:
+        values = [run[key] for run in runs]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    last = runs[-1]
+    out = {key: spread(key) for key in ("step_s", "train_s", "peak_mb")}
+    out["padded_tokens"] = last["padded_tokens"][-1] if last["padded_tokens"] else None
+    out["forwarded_tokens"] = last["forwarded_tokens"][-1] if last["forwarded_tokens"] else None
+    if "lengths" in last:
+        lengths, prompt = last["lengths"][-1], last["prompt_tokens"]
+        out["arithmetic_ratio"] = G * (prompt + max(lengths)) / (prompt + sum(lengths))
+    else:
+        out["arithmetic_ratio"] = None
+    if "reward" in last:
+        out["reward"] = [run["reward"] for run in runs]
+    return out
+
+
+@aggregate("packing_demo_", block="rows", every_key=False)
+@aggregate("packing_idle_", block="rows", every_key=False)
+def packing_rows(data: dict, name: str = "") -> dict:
+    """The `rows` of a `benchmarks/packing.py` results file from its repeats (`samples`, keyed
+    `workload|processes|mode`): `{"workload|processes": {mode: _summary(repeats)}}`."""
+    rows: dict = {}
+    for key, runs in data["samples"].items():
+        workload, processes, mode = key.split("|")
+        rows.setdefault(f"{workload}|{processes}", {})[mode] = _summary(runs)
+    return rows
+
+
+def _rows(r, name: str) -> dict:
+    return recompute(name, r(name))
+
+
 def _cell(r, processes: int, workload: str) -> dict:
-    return r(IDLE[processes])["rows"][f"{workload}|{processes}"]
+    return _rows(r, IDLE[processes])[f"{workload}|{processes}"]
 
 
 def _ratio(x: dict, key: str = "train_s") -> float:
@@ -24,7 +69,7 @@ def _ratio(x: dict, key: str = "train_s") -> float:
 
 @table("packing.summary")
 def summary(r) -> str:
-    demo = r(DEMO)["rows"]["demo|1"]
+    demo = _rows(r, DEMO)["demo|1"]
     lines = [
         "| workload | `shared_prefix` ÷ `off`, 1 process | 2 processes | peak memory ÷ `off`, 1 / 2 processes |",
         "|---|---|---|---|",
@@ -69,7 +114,7 @@ def training_phase(r) -> str:
 
 @table("packing.demo")
 def demo(r) -> str:
-    x = r(DEMO)["rows"]["demo|1"]
+    x = _rows(r, DEMO)["demo|1"]
     off = x["off"]
     lines = [
         "| mode | whole step (s) | vs `off` | training phase (s) | vs `off` | generation (s) | peak RSS (MB) "

@@ -63,8 +63,9 @@ def staleness_v2(r):
     import staleness_experiment
 
     from .core import RESULTS
+    from .staleness_v2 import _data
 
-    result = r("staleness_v2/analysis.json")
+    result = _data(r)
     runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_v2")
     with tempfile.TemporaryDirectory() as tmp:
         staleness_experiment.make_plot(runs, result, Path(tmp) / "plot.png")

@@ -1,15 +1,46 @@
-"""The pre-registered staleness experiment (`benchmarks/staleness_experiment.py analyze`)."""
+"""The pre-registered staleness experiment (`benchmarks/staleness_experiment.py analyze`).
+
+`analysis.json` is derived from the per-seed run files beside it (each with its held-out items): the renderers
+recompute it from them with the experiment's own analysis (`staleness_experiment.analysis`, `benchmarks/stats.py`),
+and the check fails when the stored file differs from that recomputation.
+"""
 
 from __future__ import annotations
 
+import functools
+
+from ._aggregates import aggregate, recompute
 from .core import figure, table
 
 ANALYSIS = "staleness_v2/analysis.json"
 
 
+@functools.lru_cache(maxsize=4)
+def _analysis(folder: str, stamps: tuple) -> dict:
+    from pathlib import Path
+
+    import staleness_experiment
+
+    return staleness_experiment.analysis(*staleness_experiment.load_runs(Path(folder)))
+
+
+@aggregate("staleness_v2/analysis", block=None)
+def recomputed_analysis(data: dict, name: str) -> dict:
+    """The pre-registered tests and descriptives, recomputed from the run files in the analysis file's folder."""
+    from .core import RESULTS
+
+    folder = (RESULTS / name).parent
+    stamps = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.glob("*.json")))
+    return _analysis(str(folder), stamps)
+
+
+def _data(r) -> dict:
+    return {"meta": r(ANALYSIS)["meta"], **recompute(ANALYSIS, r(ANALYSIS))}
+
+
 @figure("staleness_v2.primary")
 def primary(r) -> str:
-    data = r(ANALYSIS)
+    data = _data(r)
     p = data["primary"]
     t = p["paired_t"]
     verdict = "C above B" if p["positive"] else "no difference detected"
@@ -28,7 +59,7 @@ def _interval(t: dict) -> str:
 @table("staleness_v2.comparisons")
 def comparisons(r) -> str:
     """The pre-registered comparisons: the primary first, then the five secondary ones with their Holm p-values."""
-    data = r(ANALYSIS)
+    data = _data(r)
     rows = [
         "| comparison | metric | lag | lr | seeds | mean difference [95 % CI] | t (df) | p | Holm p "
         "| pooled McNemar p (supporting) |",
@@ -50,7 +81,7 @@ def comparisons(r) -> str:
 @figure("staleness_v2.lag_reading")
 def lag_reading(r) -> str:
     """The pre-registered reading of the lag curve: the smallest lag whose comparison rejects."""
-    data = r(ANALYSIS)
+    data = _data(r)
     by_lag = {c["lag"]: c for c in data["secondary"] if c["metric"] == "heldout_accuracy" and c["x"] == "C"
               and c["y"] == "B" and c["learning_rate"] == data["primary"]["learning_rate"]}  # fmt: skip
     by_lag[data["primary"]["lag"]] = {**data["primary"], "holm_p": data["primary"]["paired_t"]["p"]}
@@ -64,7 +95,7 @@ def lag_reading(r) -> str:
 @table("staleness_v2.cells")
 def cells(r) -> str:
     """Exploratory: each cell's mean held-out accuracy with its 95 % t interval over seeds, and training figures."""
-    data = r(ANALYSIS)
+    data = _data(r)
     rows = [
         f"| lag | arm | lr | seeds | held-out accuracy [95 % CI] | change from untrained "
         f"({data['untrained_accuracy']:.3f}) | reward AUC | zero-loss steps |",
