@@ -1,7 +1,7 @@
 # The README's commands. Each sets up .venv (once; later runs reuse it) and then runs:
 #   make demo        the offline GRPO demo (SmolLM2-135M-Instruct, 2 CPU cores); ARGS="--seed 1" passes recipe flags
 #   make test        the default test suite;                                       ARGS="-k loss" passes pytest flags
-#   make check       ruff (lint and format) and the figures check (benchmarks/render_figures.py --check)
+#   make check       ruff (lint and format) and the figures check (python -m benchmarks.tools.render_figures --check)
 #   make gpu-check   the GPU checks on one CUDA GPU (scripts/gpu_check.py; without one it says so and exits 0)
 #   make clean       removes .venv, .venv-vllm, an HF_RLLOSS_VENV this made, and outputs/
 # Options (environment or make variables): HF_RLLOSS_TORCH=auto|cpu|cuda|skip|<pip requirement>,

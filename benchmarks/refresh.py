@@ -4,8 +4,8 @@
     python -m benchmarks.refresh --stale             # re-run those commands, one after the other
 
 A results file is stale when `git log <its commit>..HEAD -- <the modules its benchmark measures>` lists a commit
-(`benchmarks/figures/_age.py`); its table's source line then says so. After a re-run, `python
-benchmarks/render_figures.py` renders the pages from the new files.
+(`benchmarks/figures/_age.py`); its table's source line then says so. After a re-run, `python -m
+benchmarks.tools.render_figures` renders the pages from the new files.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import _age, core  # noqa: E402
+from benchmarks.figures import _age, core
 
 
 def stale() -> list[tuple[str, dict]]:

@@ -52,7 +52,7 @@ TEST_COMMAND = ["python", "-m", "pytest", "-q"]
 CHECK_COMMANDS = [
     ["python", "-m", "ruff", "check", "."],
     ["python", "-m", "ruff", "format", "--check", "."],
-    ["python", "benchmarks/render_figures.py", "--check"],
+    ["python", "-m", "benchmarks.tools.render_figures", "--check"],
 ]
 GPU_CHECK_COMMAND = ["python", "scripts/gpu_check.py"]
 MIN_PYTHON = (3, 10)

@@ -10,9 +10,9 @@ The plan (:func:`plan`), one subprocess per step, in this order:
 1. `cuda_tests`: the CUDA tests (`pytest -m gpu tests/test_gpu.py`): the chunked loss on CUDA against the CPU path,
    bf16, and the asynchronous trainer configured as TRL against stock TRL on CUDA;
 2. `loss_step_cuda`: the loss step from hidden states against TRL's chunked kernel and naive logits, bf16, on CUDA
-   (`benchmarks/loss_step.py`);
+   (`python -m benchmarks.performance.loss_step`);
 3. `demo_step_cuda`: whole optimizer steps of the demo on the GPU (`config_demo_gpu.yaml`), `RLLossGRPOTrainer`
-   against stock `GRPOTrainer` (`benchmarks/train_step.py --demo`);
+   against stock `GRPOTrainer` (`python -m benchmarks.performance.train_step --demo`);
 4. `vllm_colocate_cuda`: `RLLossGRPOTrainer` and stock `GRPOTrainer` sampling with a colocated vLLM engine on the GPU
    (`scripts/gpu_vllm_colocate.py`); skipped, saying why, when the Python that runs it cannot import vLLM
    (`--vllm-python` names another environment's).
@@ -90,7 +90,8 @@ def plan(work: Path = WORK) -> list[Step]:
             "the loss step against TRL's chunked kernel on CUDA, bf16, 4096 tokens x 151936 vocabulary",
             (
                 "python",
-                "benchmarks/loss_step.py",
+                "-m",
+                "benchmarks.performance.loss_step",
                 "--device",
                 "cuda",
                 "--dtype",
@@ -109,7 +110,7 @@ def plan(work: Path = WORK) -> list[Step]:
                 "--out",
                 str(work / "loss_step_cuda.json"),
             ),
-            "benchmarks/loss_step.py",
+            "benchmarks/performance/loss_step.py",
             "loss_step_cuda.json",
             120,
         ),  # fmt: skip
@@ -118,7 +119,8 @@ def plan(work: Path = WORK) -> list[Step]:
             "a demo step on the GPU, RLLossGRPOTrainer against stock GRPOTrainer (one timed step after a warm-up)",
             (
                 "python",
-                "benchmarks/train_step.py",
+                "-m",
+                "benchmarks.performance.train_step",
                 "--demo",
                 DEMO_GPU_CONFIG,
                 "--steps",
@@ -128,7 +130,7 @@ def plan(work: Path = WORK) -> list[Step]:
                 "--out",
                 str(work / "demo_step_cuda.json"),
             ),
-            "benchmarks/train_step.py",
+            "benchmarks/performance/train_step.py",
             "demo_step_cuda.json",
             150,
         ),  # fmt: skip
@@ -163,7 +165,9 @@ def parse_with_own_parser(step: Step) -> argparse.Namespace:
         args = args[2:]  # after `-m pytest`
         return get_config(args)._parser.parse(args, namespace=argparse.Namespace())
     script = ROOT / step.parser
-    sys.path.insert(0, str(script.parent))
+    if args[:1] == ["-m"]:  # a benchmark run as a module of the `benchmarks` package (imported from the root)
+        args = args[1:]
+    sys.path.insert(0, str(ROOT if step.parser.startswith("benchmarks/") else script.parent))
     spec = importlib.util.spec_from_file_location(f"_gpu_check_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -181,7 +185,7 @@ def parse_with_own_parser(step: Step) -> argparse.Namespace:
         return parsed.namespace
     finally:
         sys.argv, argparse.ArgumentParser.parse_known_args = saved_argv, original
-        sys.path.remove(str(script.parent))
+        sys.path.remove(str(ROOT if step.parser.startswith("benchmarks/") else script.parent))
     raise RuntimeError(f"{step.parser}: main() returned without parsing its arguments")
 
 
@@ -194,7 +198,8 @@ def parsed_options(step: Step, namespace: argparse.Namespace) -> dict:
 
 def parse_demo_config(cuda: bool) -> tuple:
     """The GPU demo config read by the recipe's own parser (`recipes/grpo.py`'s `parse_args`, as
-    `benchmarks/train_step.py --demo` reads it). Without CUDA, `bf16` is parsed off: transformers refuses bf16 on a
+    `python -m benchmarks.performance.train_step --demo` reads it). Without CUDA, `bf16` is parsed off: transformers
+    refuses bf16 on a
     CPU-only machine unless `use_cpu` is set."""
     spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
     recipe = importlib.util.module_from_spec(spec)

@@ -16,90 +16,23 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-SPECIALS = ["<pad>", "<eos>", "<bos>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+from benchmarks.shared.tiny_models import (  # noqa: E402, F401  (the tiny models the benchmarks use too)
+    BASE_ARGS,
+    CHAT_TEMPLATE,
+    SPECIALS,
+    make_model,
+    make_tokenizer,
+    reward_length,
+    special_token_ids,
+    tiny_config,
+    with_generation_ids,
 )
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: the 256 ByteLevel characters (no merges) plus the special tokens."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def special_token_ids(tokenizer) -> dict[str, int]:
-    return dict(
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
-    )
-
-
-def tiny_config(tokenizer, hidden_size: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, **overrides):
-    """The config keywords every tiny test model shares (Qwen2, Qwen3-MoE, GPT-OSS, Gemma 2): the tokenizer's
-    vocabulary and special tokens, 2 layers, 4 query heads over 2 key/value heads, 128 positions."""
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        **special_token_ids(tokenizer),
-        **overrides,
-    )
-
-
-def with_generation_ids(model, tokenizer):
-    """`model` with the tokenizer's special tokens in its generation config (TRL passes its own to `generate`)."""
-    for key, value in special_token_ids(tokenizer).items():
-        setattr(model.generation_config, key, value)
-    return model
-
-
-def make_model(
-    tokenizer,
-    seed: int = 0,
-    hidden_size: int = 32,
-    tie: bool = True,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    attn: str | None = None,
-) -> Qwen2ForCausalLM:
-    """A tiny random Qwen2 (`attn`: an attention implementation to set, e.g. ``"sdpa"``; else transformers')."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        intermediate_size=2 * hidden_size,
-        tie_word_embeddings=tie,
-        **tiny_config(tokenizer, hidden_size, layers, heads, kv_heads),
-    )
-    model = Qwen2ForCausalLM(config)
-    if attn is not None:
-        model.set_attn_implementation(attn)
-    return with_generation_ids(model, tokenizer)
 
 
 def make_dataset(n: int = 16) -> Dataset:
     """Prompts of equal length (no left padding: positions do not depend on how a batch is padded)."""
     return Dataset.from_dict({"prompt": [f"Q{i:02d}: add {i % 7}+{i % 5} =" for i in range(n)]})
-
-
-def reward_length(completions, **kwargs):
-    return [float(len(c)) / 8.0 for c in completions]
 
 
 def reward_digit(completions, **kwargs):
@@ -170,23 +103,6 @@ def reward_length_or_constant(prompts, completions, **kwargs):
 
 def patch_generation(trainer, tokenizer) -> None:
     trainer._generate_single_turn = FixedCompletions(tokenizer, trainer.max_completion_length)
-
-
-BASE_ARGS = dict(
-    use_cpu=True,
-    bf16=False,
-    report_to="none",
-    per_device_train_batch_size=4,
-    num_generations=4,
-    max_completion_length=8,
-    activation_checkpointing=False,
-    logging_steps=1,
-    save_strategy="no",
-    learning_rate=1e-3,
-    disable_tqdm=True,
-    seed=0,
-    dataloader_num_workers=0,
-)
 
 
 def trainable_snapshot(model) -> dict[str, torch.Tensor]:

@@ -209,7 +209,7 @@ def test_make_clean_check_and_gpu_check_go_through_the_bootstrap():
     assert [c[1:] for c in check] == [
         ["-m", "ruff", "check", "."],
         ["-m", "ruff", "format", "--check", "."],
-        ["benchmarks/render_figures.py", "--check"],
+        ["-m", "benchmarks.tools.render_figures", "--check"],
     ]
     assert bootstrap.command_line("gpu-check", python.parent, python, ["--dry-run"]) == [
         [str(python), "scripts/gpu_check.py", "--dry-run"]

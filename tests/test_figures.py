@@ -8,16 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.experiments import demo_seeds
+from benchmarks.figures import _age, _docstrings, core
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from figures import _age, _docstrings, core  # noqa: E402
 
 core.load_renderers()
 
 
 def test_every_page_states_only_figures_its_results_files_hold():
     problems = core.check()
-    assert not problems, "run `python benchmarks/render_figures.py`, or fix:\n" + "\n".join(problems)
+    assert not problems, "run `python -m benchmarks.tools.render_figures`, or fix:\n" + "\n".join(problems)
 
 
 def _a_marked_figure() -> tuple[str, str, "re.Match"]:  # noqa: F821
@@ -85,7 +86,7 @@ def test_results_without_a_provenance_field_are_named(tmp_path, monkeypatch):
     assert core.provenance_problems("a.json") == [
         "benchmarks/results/a.json: meta has no command, git_commit, versions, load"
     ]
-    command = "python benchmarks/demo_seeds.py --set vllm_engine=true --out benchmarks/results/a.json"
+    command = "python -m benchmarks.experiments.demo_seeds --set vllm_engine=true --out benchmarks/results/a.json"
     meta = {"machine": "m", "date": "d", "command": command, "git_commit": "unknown", "load": "unknown"}
     meta["versions"] = {"torch": "2", "transformers": "5", "trl": "1"}
     (tmp_path / "a.json").write_text(json.dumps({"meta": meta}))
@@ -104,8 +105,6 @@ def test_a_table_names_the_machine_date_and_command_of_its_sources():
 
 
 def test_rows_added_to_a_sweep_name_their_own_provenance(tmp_path, monkeypatch):
-    import demo_seeds
-
     monkeypatch.setattr(core, "RESULTS", tmp_path)
     first = {"meta": {"machine": "m1", "date": "2026-12-04", "command": "sweep 0 1", "demo_command": "d"}}
     kept = demo_seeds.added_to(first | {"runs": [{"seed": 0}]}, {"meta": {"demo_command": "d"}}, [1])
@@ -121,8 +120,6 @@ def test_rows_added_to_a_sweep_name_their_own_provenance(tmp_path, monkeypatch):
 
 
 def test_add_keeps_a_superseded_row_with_its_reason():
-    import demo_seeds
-
     existing = {"meta": {"demo_command": "d"}, "runs": [{"seed": 0, "x": 1}, {"seed": 1, "x": 2}]}
     new = {"meta": {"demo_command": "d", "command": "sweep 1 --add", "date": "2026-12-06"}}
     with pytest.raises(SystemExit, match="seeds \\[1\\] already have rows.*--reason"):
@@ -171,13 +168,16 @@ def test_an_edited_aggregate_fails_naming_the_figure(tmp_path, monkeypatch):
 
 def test_an_unparseable_command_fails_naming_the_figure(tmp_path, monkeypatch):
     data = _sources(tmp_path, monkeypatch, "demo_seeds.json")
-    data["meta"]["command"] = "python benchmarks/demo_seeds.py --seeds zero"
+    data["meta"]["command"] = "python -m benchmarks.experiments.demo_seeds --seeds zero"
     (tmp_path / "demo_seeds.json").write_text(json.dumps(data))
     problems = [p for p in core.check_sources() if "demo_seeds.json" in p]
     assert any(
-        "does not parse with benchmarks/demo_seeds.py's parser" in p and "table 'demo_seeds'" in p for p in problems
+        "does not parse with benchmarks/experiments/demo_seeds.py's parser" in p and "table 'demo_seeds'" in p
+        for p in problems
     )
-    data["meta"]["command"] = "python benchmarks/demo_seeds.py --seeds 0 --out benchmarks/results/other.json"
+    data["meta"]["command"] = (
+        "python -m benchmarks.experiments.demo_seeds --seeds 0 --out benchmarks/results/other.json"
+    )
     (tmp_path / "demo_seeds.json").write_text(json.dumps(data))
     assert any("writes benchmarks/results/other.json, not this file" in p for p in core.check_sources())
 
@@ -210,7 +210,7 @@ def test_refresh_lists_the_stale_files():
     )
     assert out.returncode == 0, out.stderr
     assert "benchmarks/results/demo_seeds.json: measured at `7e55599`; the measured code changed since" in out.stdout
-    assert "    python benchmarks/demo_seeds.py --seeds 42 0 1 2" in out.stdout
+    assert "    python -m benchmarks.experiments.demo_seeds --seeds 42 0 1 2" in out.stdout
 
 
 def _with_a_marked_figure(text: str, inside: str) -> tuple[str, str]:

@@ -1,14 +1,11 @@
-"""`benchmarks/stats.py`: each test against a computation written out by hand here, and against SciPy where it is
-installed (it is not a dependency of the project)."""
+"""`benchmarks/shared/stats.py`: each test against a computation written out by hand here, and against SciPy where it
+is installed (it is not a dependency of the project)."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import stats  # noqa: E402
+from benchmarks.shared import stats
 
 X4 = [7.0, 5.0, 9.0, 12.0]
 Y4 = [6.0, 3.0, 6.0, 6.0]  # d = x − y = [1, 2, 3, 6]

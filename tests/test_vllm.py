@@ -60,6 +60,7 @@ def policy_dir(tmp_path_factory) -> str:
 def _run(case: str, policy_dir: str, tmp_path: Path) -> dict:
     out = tmp_path / f"{case}.json"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))  # `benchmarks`
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_script.py"), case, policy_dir, str(out)],
         env=env, capture_output=True, text=True, timeout=TIMEOUT_S,

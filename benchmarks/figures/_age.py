@@ -16,6 +16,7 @@ import ast
 import contextlib
 import functools
 import importlib
+import importlib.util
 import io
 import shlex
 import subprocess
@@ -47,8 +48,12 @@ def commands(command: str) -> list[list[str]]:
 
 
 def script_of(argv: list[str]) -> tuple[str | None, list[str]]:
-    """The repository script a command runs (`benchmarks/x.py`, `recipes/x.py`) and the arguments it passes it."""
+    """The repository script a command runs and the arguments it passes it: a module run with `-m`
+    (`python -m benchmarks.performance.loss_step` → `benchmarks/performance/loss_step.py`) or a script by its path
+    (`recipes/grpo.py`)."""
     for i, token in enumerate(argv):
+        if token == "-m" and i + 1 < len(argv) and argv[i + 1].startswith("benchmarks."):
+            return argv[i + 1].replace(".", "/") + ".py", argv[i + 2 :]
         if token.endswith(".py"):
             return token, argv[i + 1 :]
     return None, []
@@ -115,12 +120,30 @@ def age_problems(name: str, meta: dict) -> list[str]:
     return [f"{where}: measured module {m!r} does not exist" for m in modules if not (ROOT / m).exists()]
 
 
+def _load_file(path: Path, name: str):
+    """The module of the file at `path`, loaded under `name` (and kept in `sys.modules`), after the siblings it
+    imports by their plain names (`from grpo import ...` in `recipes/grpo_async.py`)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf8"))):
+        imported = [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+        imported += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        for sibling in imported:
+            if sibling and (path.parent / f"{sibling}.py").is_file() and sibling != name:
+                _load_file(path.parent / f"{sibling}.py", sibling)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def _script_module(script: str):
-    path = ROOT / script
-    if str(path.parent) not in sys.path:  # scripts import their siblings by their plain names
-        sys.path.insert(0, str(path.parent))
-    return importlib.import_module(path.stem)
+    """A benchmark by its module name (`benchmarks.performance.loss_step`); any other script by its path."""
+    if script.startswith("benchmarks/"):
+        return importlib.import_module(script.removesuffix(".py").replace("/", "."))
+    return _load_file(ROOT / script, Path(script).stem)
 
 
 def parse(script: str, args: list[str]):

@@ -1,8 +1,9 @@
-"""The agentic demo (`benchmarks/demo_seeds.py --demo calculator`): SmolLM2-135M-Instruct with an `add` tool."""
+"""The agentic demo (`benchmarks/experiments/demo_seeds.py --demo calculator`): SmolLM2-135M-Instruct with an `add`
+tool."""
 
 from __future__ import annotations
 
-from stats import format_p, paired_t
+from benchmarks.shared.stats import format_p, paired_t
 
 from .core import table
 

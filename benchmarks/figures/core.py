@@ -10,7 +10,8 @@ A page marks each figure it states, and each table of figures, with the name of 
 
 A renderer is a function of a `Results` loader that returns the text; what it read is its source, and a table ends
 with a line per source naming its machine, date, load, library versions, command and commit, and saying when the
-package modules its benchmark measures changed after that commit (`_age.py`). `python benchmarks/render_figures.py`
+package modules its benchmark measures changed after that commit (`_age.py`). `python -m
+benchmarks.tools.render_figures`
 rewrites every marked span from the results files; `--check` (and `tests/test_figures.py`) fails when a page's text
 differs from its rendering (a table's source line included), names an unknown figure, reads a results file that lacks
 a provenance field or whose command does not parse with its script's parser, holds an aggregate that its per-run rows

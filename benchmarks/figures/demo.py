@@ -1,4 +1,4 @@
-"""The README demo: its outcome over seeds (`benchmarks/demo_seeds.py`)."""
+"""The README demo: its outcome over seeds (`benchmarks/experiments/demo_seeds.py`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ OUTCOMES += ("completion_length_first", "completion_length_last", "mismatch_abs_
 @aggregate("demo_seeds")
 @aggregate("agentic_demo_")
 def seed_sweep(data: dict, name: str = "") -> dict:
-    """The spread over the seeds of each outcome of a seed sweep (`benchmarks/demo_seeds.py`), from its `runs`
+    """The spread over the seeds of each outcome of a seed sweep (`benchmarks/experiments/demo_seeds.py`), from its
+    `runs`
     (superseded rows, kept under `superseded`, are not runs)."""
     rows = data["runs"]
     out = {

@@ -1,9 +1,9 @@
-"""The demo with and without dynamic sampling, over seeds (`benchmarks/demo_seeds.py`, with and without
+"""The demo with and without dynamic sampling, over seeds (`benchmarks/experiments/demo_seeds.py`, with and without
 `--set dynamic_sampling=true`)."""
 
 from __future__ import annotations
 
-from stats import paired_t
+from benchmarks.shared.stats import paired_t
 
 from .core import table
 

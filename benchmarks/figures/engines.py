@@ -1,4 +1,4 @@
-"""Every shipped accelerate config against DDP, on CPU (`benchmarks/engine_matrix.py`)."""
+"""Every shipped accelerate config against DDP, on CPU (`benchmarks/performance/engine_matrix.py`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared-prompt generation (`benchmarks/generation.py`) and the demo run with and without it."""
+"""Shared-prompt generation (`benchmarks/performance/generation.py`) and the demo run with and without it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ SAMPLE_ONLY = ("reward", "tokens", "repeat", "started_utc", "load_average_at_sta
 
 @aggregate("generation_", block="rows", every_key=False)
 def generation_rows(data: dict, name: str = "") -> dict:
-    """The `rows` of a `benchmarks/generation.py` results file from its repeats (`samples`, keyed `kind/workload`):
+    """The `rows` of a `benchmarks/performance/generation.py` results file from its repeats (`samples`, keyed
+    `kind/workload`):
     per workload, kind and variant the median over the repeats of each measure, and the sampled tokens' hashes."""
     rows: dict = {}
     for key, by_variant in data["samples"].items():

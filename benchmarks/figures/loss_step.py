@@ -1,4 +1,5 @@
-"""The loss step from hidden states (`benchmarks/loss_step.py`): hf_rlloss against TRL's chunked kernel, naive logits
+"""The loss step from hidden states (`benchmarks/performance/loss_step.py`): hf_rlloss against TRL's chunked kernel,
+naive logits
 and the three-GEMM floor."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
 
 @aggregate("loss_step_", block="rows", every_key=False, abs_tol=2e-3)  # per-run times are recorded to the ms
 def loss_step_rows(data: dict, name: str = "") -> list[dict]:
-    """Per row of a `benchmarks/loss_step.py` results file, from its repeats: each method's median time
+    """Per row of a `benchmarks/performance/loss_step.py` results file, from its repeats: each method's median time
     (`{method}_runs_s`) and peak memory (`{method}_runs_peak_mb`, where recorded), and hf_rlloss ÷ floor per repeat.
     A row without repeats (one run) is its own median."""
     out = []

@@ -1,4 +1,4 @@
-"""Packed forwards: `packing="shared_prefix"` against the padded batch (`benchmarks/packing.py`)."""
+"""Packed forwards: `packing="shared_prefix"` against the padded batch (`benchmarks/performance/packing.py`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _summary(runs: list[dict]) -> dict:
 @aggregate("packing_demo_", block="rows", every_key=False)
 @aggregate("packing_idle_", block="rows", every_key=False)
 def packing_rows(data: dict, name: str = "") -> dict:
-    """The `rows` of a `benchmarks/packing.py` results file from its repeats (`samples`, keyed
+    """The `rows` of a `benchmarks/performance/packing.py` results file from its repeats (`samples`, keyed
     `workload|processes|mode`): `{"workload|processes": {mode: _summary(repeats)}}`."""
     rows: dict = {}
     for key, runs in data["samples"].items():

@@ -1,4 +1,5 @@
-"""The images on the user pages, drawn from the results files (`core.plot`): `python benchmarks/render_figures.py`
+"""The images on the user pages, drawn from the results files (`core.plot`): `python -m
+benchmarks.tools.render_figures`
 writes them, and the check fails when a page shows an image no renderer draws or one that differs from its drawing."""
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def async_demo_curves(r):
 @plot("docs/staleness_v2.png")
 def staleness_v2(r):
     """Held-out accuracy per seed at the primary lag, and each pre-registered comparison's per-seed differences
-    (`benchmarks/staleness_experiment.py`'s own drawing, from its run files and `analysis.json`)."""
+    (`benchmarks/experiments/staleness_experiment.py`'s own drawing, from its run files and `analysis.json`)."""
     import tempfile
     from pathlib import Path
 
-    import staleness_experiment
+    from benchmarks.experiments import staleness_experiment
 
     from .core import RESULTS
     from .staleness_v2 import _data
@@ -76,7 +77,8 @@ def staleness_v2(r):
 def async_staleness(r):
     """Reward per step, the mean over the seeds with a 5-step moving mean, by arm and lag (the exploratory runs)."""
     import matplotlib.pyplot as plt
-    from async_staleness import ARM_NAMES, ARMS, _load
+
+    from benchmarks.experiments.async_staleness import ARM_NAMES, ARMS, _load
 
     r("async_staleness/smollm2/meta.json")  # the run files' provenance
     runs = _load("smollm2")

@@ -1,4 +1,4 @@
-"""The loss step's time and memory against completion length (`benchmarks/scaling.py`)."""
+"""The loss step's time and memory against completion length (`benchmarks/performance/scaling.py`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank memory and step time under sequence parallelism (`benchmarks/sp_memory.py`)."""
+"""Per-rank memory and step time under sequence parallelism (`benchmarks/performance/sp_memory.py`)."""
 
 from __future__ import annotations
 

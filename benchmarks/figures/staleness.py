@@ -1,4 +1,5 @@
-"""docs/async.md: the async demo's logged run and the staleness experiment (`benchmarks/async_staleness.py`).
+"""docs/async.md: the async demo's logged run and the staleness experiment
+(`benchmarks/experiments/async_staleness.py`).
 
 The experiment's run files (`async_staleness/smollm2/seed*_lag*_*.jsonl`: one record per step, then a final record)
 are JSON lines without a provenance record, since `async_staleness.py report` reads every line but the last as a
@@ -11,12 +12,11 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.util
 import json
 import math
 import statistics
 
-from .core import RESULTS, ROOT, figure, table
+from .core import RESULTS, figure, table
 
 EXPERIMENT = "async_staleness/smollm2"
 DEMO = "async_demo_metrics.jsonl"
@@ -26,11 +26,10 @@ LAGS = (0, 4, 8)  # sampler lags of the experiment (a lag of 0 trains at lag 1: 
 
 @functools.cache
 def _script():
-    """`benchmarks/async_staleness.py`, imported by path (its top level defines constants and functions only)."""
-    spec = importlib.util.spec_from_file_location("async_staleness", ROOT / "benchmarks" / "async_staleness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """`benchmarks/experiments/async_staleness.py` (its top level defines constants and functions only)."""
+    from benchmarks.experiments import async_staleness
+
+    return async_staleness
 
 
 def _runs(r) -> dict[tuple[int, int, str], tuple[list[dict], dict]]:

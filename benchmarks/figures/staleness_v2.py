@@ -1,8 +1,8 @@
-"""The pre-registered staleness experiment (`benchmarks/staleness_experiment.py analyze`).
+"""The pre-registered staleness experiment (`python -m benchmarks.experiments.staleness_experiment analyze`).
 
 `analysis.json` is derived from the per-seed run files beside it (each with its held-out items): the renderers
-recompute it from them with the experiment's own analysis (`staleness_experiment.analysis`, `benchmarks/stats.py`),
-and the check fails when the stored file differs from that recomputation.
+recompute it from them with the experiment's own analysis (`staleness_experiment.analysis`,
+`benchmarks/shared/stats.py`), and the check fails when the stored file differs from that recomputation.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ANALYSIS = "staleness_v2/analysis.json"
 def _analysis(folder: str, stamps: tuple) -> dict:
     from pathlib import Path
 
-    import staleness_experiment
+    from benchmarks.experiments import staleness_experiment
 
     return staleness_experiment.analysis(*staleness_experiment.load_runs(Path(folder)))
 

@@ -1,4 +1,4 @@
-"""The default test suite: its size and time (`benchmarks/suite_time.py`)."""
+"""The default test suite: its size and time (`benchmarks/tools/suite_time.py`)."""
 
 from __future__ import annotations
 

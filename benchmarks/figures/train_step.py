@@ -1,4 +1,4 @@
-"""End-to-end GRPO train steps with fixed completions (`benchmarks/train_step.py`)."""
+"""End-to-end GRPO train steps with fixed completions (`benchmarks/performance/train_step.py`)."""
 
 from __future__ import annotations
 

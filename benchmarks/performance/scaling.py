@@ -5,8 +5,8 @@ full logits, then fits peak memory against tokens: a method that materializes th
 `vocab × 4 bytes` per token (196 MB per 1k tokens at vocab 49k); hf_rlloss should grow only with the hidden states.
 Per-rank memory under sequence parallelism (sp=1 vs sp=2) is measured by `sp_memory.py`.
 
-    python benchmarks/scaling.py
-    python benchmarks/scaling.py --tokens 1024 4096 16384 --vocab 151936
+    python -m benchmarks.performance.scaling
+    python -m benchmarks.performance.scaling --tokens 1024 4096 16384 --vocab 151936
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import os
 import time
 
-from _provenance import provenance  # noqa: E402
-from loss_step import _measure
+from benchmarks.performance.loss_step import _measure
+from benchmarks.shared.provenance import provenance
 
 
 def _slope(xs, ys):

@@ -1,9 +1,9 @@
 """The README demo over several seeds: the range a newcomer should expect, measured, with the untrained baseline.
 
-    python benchmarks/demo_seeds.py --seeds 0 1 2 [--out benchmarks/results/demo_seeds.json]
-    python benchmarks/demo_seeds.py --seeds 0 1 2 --set dynamic_sampling=true \\
+    python -m benchmarks.experiments.demo_seeds --seeds 0 1 2 [--out benchmarks/results/demo_seeds.json]
+    python -m benchmarks.experiments.demo_seeds --seeds 0 1 2 --set dynamic_sampling=true \\
         --out benchmarks/results/demo_seeds_ds.json     # a recipe option changed (`--set`, repeatable)
-    python benchmarks/demo_seeds.py --demo calculator --seeds 0 1 2 \\
+    python -m benchmarks.experiments.demo_seeds --demo calculator --seeds 0 1 2 \\
         --out benchmarks/results/agentic_demo_seeds.json --plot docs/agentic_demo.png   # the agentic demo
 
 `--demo calculator` runs the agentic demo (`recipes/smollm2_135m/calculator/config_async.yaml`, the async recipe with
@@ -32,18 +32,14 @@ import re
 import shlex
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import load_average, provenance  # noqa: E402
-from figures import plots  # noqa: E402
-from figures.demo import seed_sweep  # noqa: E402
+from benchmarks.figures import plots
+from benchmarks.figures.demo import seed_sweep
+from benchmarks.shared.provenance import ROOT, load_average, provenance
+from hf_rlloss.recipe_support.cpu_precision import cpu_has_fast_bf16
 
-from hf_rlloss.recipe_support.cpu_precision import cpu_has_fast_bf16  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 # What a demo run measures: the whole training path of the package and the recipes it runs.
 MEASURES = ("hf_rlloss", "recipes/grpo.py", "recipes/grpo_async.py", "recipes/smollm2_135m")
 LAUNCH = ["launch", "--config_file", "accelerate_configs/single_process.yaml"]
@@ -152,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = dict(item.split("=", 1) for item in args.set)
     out = ROOT / args.out
-    command = "python benchmarks/demo_seeds.py" + ("" if args.demo == "arithmetic" else f" --demo {args.demo}")
+    command = "python -m benchmarks.experiments.demo_seeds"
+    command += "" if args.demo == "arithmetic" else f" --demo {args.demo}"
     command += " --seeds " + " ".join(map(str, args.seeds))
     command += "".join(f" --set {item}" for item in args.set)
     if args.accelerate != parser.get_default("accelerate"):

@@ -5,23 +5,19 @@ mismatch metrics on, and the per-step `mismatch/mismatch_logprob_abs_diff` (mean
 `rollout_is/mean`, `mismatch/mismatch_k3_kl` and `mismatch/kept_mass_mean` are printed as a Markdown table, for
 each support of the rollout log-probs (`rollout_logprobs_support`).
 
-    python benchmarks/rollout_is_truncation.py            # about a minute on 2 CPU cores
+    python -m benchmarks.experiments.rollout_is_truncation            # about a minute on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import torch
+from datasets import Dataset
 
-import torch  # noqa: E402
-from _trainer_utils import BASE_ARGS, make_model, make_tokenizer, reward_length  # noqa: E402
-from datasets import Dataset  # noqa: E402
-
-from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
+from benchmarks.shared.tiny_models import BASE_ARGS, make_model, make_tokenizer, reward_length
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
 
 SETTINGS = {
     "temperature 1.0": {},

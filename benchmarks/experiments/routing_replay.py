@@ -15,28 +15,23 @@ Models: `tests/_models.py::tiny_moe` (2 layers, 8 experts, top-2), at their rand
 near-tied routers (every expert's router row one shared row plus a 1e-3 perturbation, experts' outputs ×10): the
 case where bf16 rounding flips the top-k choice.
 
-    python benchmarks/routing_replay.py            # about 2 minutes on 2 CPU cores
+    python -m benchmarks.experiments.routing_replay            # about 2 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import torch
+from datasets import Dataset
+from transformers import PrinterCallback
 
-import torch  # noqa: E402
-from _models import tiny_moe  # noqa: E402
-from _trainer_utils import BASE_ARGS, make_tokenizer, reward_length  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import PrinterCallback  # noqa: E402
-
-from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer  # noqa: E402
-from hf_rlloss.trainer.common.routing_replay import (  # noqa: E402
+from benchmarks.shared.tiny_models import BASE_ARGS, make_tokenizer, reward_length, tiny_moe
+from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer.common.routing_replay import (
     RoutingReplay,
     batch_routes,
     generation_routes,

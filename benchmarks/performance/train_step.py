@@ -5,8 +5,8 @@ the training step: old/ref log-prob passes, the loss forward+backward and the op
 fresh subprocess (peak memory = RSS high-water mark minus the RSS after the trainer is built), variants interleaved
 within each repeat; the step time is the median of TRL's logged `step_time` over the steps after the first.
 
-    python benchmarks/train_step.py --model tiny            # seconds
-    python benchmarks/train_step.py --model smollm2 --steps 4 --repeats 2
+    python -m benchmarks.performance.train_step --model tiny            # seconds
+    python -m benchmarks.performance.train_step --model smollm2 --steps 4 --repeats 2
 
 `--demo CONFIG` instead times whole optimizer steps of a recipe config (generation included: the real HF
 `generate`, the rewards, the old/ref passes, the loss, the optimizer), from the end of one step to the end of the
@@ -14,7 +14,8 @@ next, the first step (warm-up, compilation) excluded: stock `GRPOTrainer` with t
 `epsilon`/`epsilon_high` and `beta` from `rl_loss`), `RLLossGRPOTrainer` as configured, and `RLLossGRPOTrainer`
 with the no-grad old log-prob pass forced back on (what the on-policy skip saves).
 
-    python benchmarks/train_step.py --demo recipes/smollm2_135m/arithmetic/config_demo.yaml --steps 3 --repeats 2
+    python -m benchmarks.performance.train_step --demo recipes/smollm2_135m/arithmetic/config_demo.yaml \\
+        --steps 3 --repeats 2
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import subprocess
 import sys
 import time
 
-from _memory import peak_rss_mb, reset_peak_rss, rss_mb
-from _provenance import provenance  # noqa: E402
+from benchmarks.shared.launch import python_module
+from benchmarks.shared.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from benchmarks.shared.provenance import ROOT, provenance
 
 VARIANTS = {
     # name: (trainer, rl_loss overrides or None for stock TRL, extra args)
@@ -116,7 +118,7 @@ def _run_demo_variant(name: str, config: str, steps: int) -> dict:
     from hf_rlloss.recipe_support.assets import resolve_model
     from hf_rlloss.recipe_support.rewards import get_reward_funcs
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(root, "recipes", "grpo.py"))
     recipe = importlib.util.module_from_spec(spec)
     sys.modules["grpo_recipe"] = recipe  # its dataclasses look their module up
@@ -170,9 +172,9 @@ def _main_demo(args) -> None:
     samples = {v: [] for v in DEMO_VARIANTS}
     for _ in range(args.repeats):
         for v in DEMO_VARIANTS:  # interleaved: machine noise hits every variant alike
-            cmd = [sys.executable, __file__, "--_demo_one", v, args.demo, str(args.steps)]
+            cmd = [*python_module(__spec__.name), "--_demo_one", v, args.demo, str(args.steps)]
             env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
             if out.returncode:
                 raise RuntimeError(f"{v} failed:\n{out.stderr[-3000:]}")
             samples[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -202,9 +204,10 @@ def _main_demo(args) -> None:
 
 
 def _measure(name, args) -> dict:
-    cmd = [sys.executable, __file__, "--_one", name, args.model, str(args.steps), str(args.batch), str(args.length)]
+    cmd = [*python_module(__spec__.name), "--_one", name, args.model, str(args.steps), str(args.batch)]
+    cmd += [str(args.length)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """The mismatch of the arithmetic demo sampled by HF `generate` and by vLLM, rollout IS on and off: a Markdown table
 of the runs' mismatch metrics (means over the training steps) and one plot of the per-token mismatch per step.
 
-    python benchmarks/vllm_demo_mismatch.py --out docs/vllm_demo_mismatch.png \\
+    python -m benchmarks.experiments.vllm_demo_mismatch --out docs/vllm_demo_mismatch.png \\
         "HF generate, IS off=outputs/hf-is-off" "HF generate, IS on=outputs/hf-is-on" \\
         "vLLM, IS off=outputs/vllm-is-off" "vLLM, IS on=outputs/vllm-is-on"
 

@@ -3,7 +3,8 @@
     accelerate launch --config_file accelerate_configs/single_process.yaml recipes/grpo.py \\
         --config recipes/smollm2_135m/arithmetic/config_demo.yaml --output_dir outputs/ds-off --dynamic_sampling false
     ... --output_dir outputs/ds-on --dynamic_sampling true
-    python benchmarks/dynamic_sampling_demo.py outputs/ds-off outputs/ds-on --plot docs/dynamic_sampling_demo.png
+    python -m benchmarks.experiments.dynamic_sampling_demo outputs/ds-off outputs/ds-on \\
+        --plot docs/dynamic_sampling_demo.png
 
 Each run directory holds the recipe's `metrics.jsonl`; an optional `time.txt` next to it holds
 `TIME user=<s> sys=<s> elapsed=<s>` (GNU time's `-f "TIME user=%U sys=%S elapsed=%e"`) for the whole launch.
@@ -15,11 +16,8 @@ import argparse
 import json
 import os
 import re
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from hf_rlloss.recipe_support.callbacks import heldout_value, moving_average  # noqa: E402
+from hf_rlloss.recipe_support.callbacks import heldout_value, moving_average
 
 K = 8  # steps averaged at the start and the end, as the run summary
 

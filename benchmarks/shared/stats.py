@@ -1,8 +1,9 @@
-"""The tests of the pre-registered staleness experiment (`benchmarks/staleness_experiment.py analyze`), exact and in
+"""The tests of the pre-registered staleness experiment (`benchmarks/experiments/staleness_experiment.py analyze`),
+exact and in
 the standard library only (SciPy is not a dependency of the project; `tests/test_stats.py` compares with it where it
 is installed).
 
-    from stats import paired_t, mcnemar, holm, format_p
+    from benchmarks.shared.stats import paired_t, mcnemar, holm, format_p
     paired_t([0.50, 0.47, 0.55, 0.52], [0.45, 0.46, 0.48, 0.50])   # per-seed accuracies of two arms, same seeds
     mcnemar(both=120, only_x=31, only_y=18, neither=87)             # paired 0/1 items: the 2 × 2 table
     holm([0.01, 0.04, 0.03])                                        # -> [0.03, 0.06, 0.06]

@@ -6,8 +6,9 @@ the same in-memory model, 3 steps with a KL to the reference and token-level rol
 optimizer-state sharding shows in the memory). Each cell is compared with DDP with the same number of processes and
 sp_size: the largest difference of a final parameter, and of a per-step loss.
 
-    python benchmarks/engine_matrix.py                      # the default: 42M-parameter model (hidden 768, 8 layers)
-    python benchmarks/engine_matrix.py --hidden-size 32 --layers 2 --optim sgd   # the tests' tiny model
+    python -m benchmarks.performance.engine_matrix                      # the default: 42M-parameter model (hidden
+    768, 8 layers)
+    python -m benchmarks.performance.engine_matrix --hidden-size 32 --layers 2 --optim sgd   # the tests' tiny model
 
 Peak memory on CPU is the RSS high-water mark of each process: over the whole run (`ru_maxrss`, engine set-up
 included), and over the training steps (`VmHWM` reset once the engine has run its first micro-batch). Both include
@@ -19,16 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-import _launch  # noqa: E402
-from _provenance import provenance  # noqa: E402
+from benchmarks.shared import launch as _launch
+from benchmarks.shared.provenance import ROOT, provenance
 
 SCRIPT = ROOT / "tests" / "engine_matrix_script.py"
 # FSDP2 on CPU needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py); this script

@@ -8,7 +8,8 @@ Workloads:
 - `long64`, `long256`: 1,024-token prompts, G = 8 (one group per step), completions of exactly 64 / 256 tokens
   (`min_new_tokens`, so that every variant decodes as many steps). The model is SmolLM2-135M's architecture with
   `--layers` of its 30 layers and its vocabulary cut in the same proportion, randomly initialized (as in
-  `benchmarks/packing.py`): the prefill/decode balance per layer is SmolLM2-135M's, a step takes seconds. float32
+  `benchmarks/performance/packing.py`): the prefill/decode balance per layer is SmolLM2-135M's, a step takes seconds.
+  float32
   (no autocast): on CPUs without bf16 matrix instructions (AVX512-BF16, AMX) bf16 GEMMs are emulated and many
   times slower than float32.
 
@@ -22,7 +23,7 @@ Two kinds of measurement, each in a fresh process, variants interleaved in rotat
   `today` vs `shared` vs `shared_concat` (shared prefill, decoding with transformers' concatenating `DynamicLayer`
   instead of the preallocated cache, `sharing_prompts(..., preallocate=False)`).
 
-    python benchmarks/generation.py --workloads demo long64 long256 --repeats 2
+    python -m benchmarks.performance.generation --workloads demo long64 long256 --repeats 2
 
 Every time is given twice: wall seconds, and the CPU seconds of the process (all its threads, `time.process_time`).
 On a machine shared with other jobs, CPU seconds with `OMP_NUM_THREADS=1` measure the work done better than the
@@ -42,10 +43,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _memory import peak_rss_mb, reset_peak_rss, rss_mb  # noqa: E402
-from _provenance import load_average, provenance  # noqa: E402
-from packing import _WORDS, DEMO_CONFIG, ROOT  # noqa: E402
+from benchmarks.performance.packing import _WORDS, DEMO_CONFIG, ROOT
+from benchmarks.shared.launch import python_module
+from benchmarks.shared.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from benchmarks.shared.provenance import load_average, provenance
 
 G = 8
 LONG = {"long64": 64, "long256": 256}
@@ -197,9 +198,9 @@ def _run_generate(workload: str, variant: str, layers: int) -> dict:
 
 
 def _launch(kind: str, workload: str, variant: str, steps: int, layers: int) -> dict:
-    cmd = [sys.executable, __file__, "--_one", kind, workload, variant, str(steps), str(layers)]
+    cmd = [*python_module(__spec__.name), "--_one", kind, workload, variant, str(steps), str(layers)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(f"{kind} {workload} {variant} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,8 @@
 """Staleness × correction on the arithmetic demo (SmolLM2-135M): what each way of handling stale samples learns.
 
-    python benchmarks/async_staleness.py run --lags 0 4 8 --seeds 0 1 2 3 --steps 24 --lr 3e-5   # a process per cell
-    python benchmarks/async_staleness.py report                                         # table (Markdown) and plot
+    # a process per cell, then the table (Markdown) and the plot
+    python -m benchmarks.experiments.async_staleness run --lags 0 4 8 --seeds 0 1 2 3 --steps 24 --lr 3e-5
+    python -m benchmarks.experiments.async_staleness report
 
 Three arms, each run on the same seeds (paired: same prompts, same initial policy, same sampling seeds):
 
@@ -37,7 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.shared.launch import python_module
+from benchmarks.shared.provenance import ROOT
+
 OUT = ROOT / "benchmarks" / "results" / "async_staleness"
 ARMS = ("A", "B", "C")
 ARM_NAMES = {
@@ -249,10 +252,10 @@ def run_cell(
 def run(lags, seeds, steps, lr, tag, arms, threads, prompts_per_step) -> None:
     for seed in seeds:
         for lag in lags:
-            cmd = [sys.executable, __file__, "cell", "--seed", str(seed), "--lag", str(lag), "--steps", str(steps),
-                   "--lr", str(lr), "--tag", tag, "--threads", str(threads), "--prompts", str(prompts_per_step),
-                   "--arms", *arms]  # fmt: skip
-            subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cmd = [*python_module(__spec__.name), "cell", "--seed", str(seed), "--lag", str(lag),
+                   "--steps", str(steps), "--lr", str(lr), "--tag", tag, "--threads", str(threads),
+                   "--prompts", str(prompts_per_step), "--arms", *arms]  # fmt: skip
+            subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     report(tag)
 
 

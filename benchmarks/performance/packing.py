@@ -20,7 +20,7 @@ instead of minutes on 2 CPU cores. One micro-batch is one group
 (`per_device_train_batch_size = G = 8`), bf16 autocast as the demo; the step time is TRL's `step_time` of the steps
 after the first. Peak memory: RSS high-water mark minus the RSS once the trainer is built (rank 0).
 
-    python benchmarks/packing.py --workloads long reasoning demo --processes 1 2 --repeats 3
+    python -m benchmarks.performance.packing --workloads long reasoning demo --processes 1 2 --repeats 3
 
 Results go to `benchmarks/results/packing.json` (with the machine, the date and every sample) and a Markdown table.
 """
@@ -38,9 +38,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _memory import peak_rss_mb, reset_peak_rss, rss_mb  # noqa: E402
-from _provenance import provenance  # noqa: E402
+from benchmarks.shared.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from benchmarks.shared.provenance import ROOT as _ROOT
+from benchmarks.shared.provenance import provenance
 
 MODES = ("shared_prefix", "padding_free", "off")
 G = 8
@@ -51,7 +51,7 @@ _WORDS = (
     "first one their its new after who they have her she two been other when there all during into school time may "
     "years more most only over city some world would where later up such used many can state about national out"
 )
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_ROOT)
 DEMO_CONFIG = os.path.join(ROOT, "recipes", "smollm2_135m", "arithmetic", "config_demo.yaml")
 
 
@@ -177,7 +177,8 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
 
 
 def _run_demo(mode: str, steps: int) -> dict:
-    """Whole optimizer steps of the demo recipe (see `benchmarks/train_step.py --demo`), with `packing=mode`."""
+    """Whole optimizer steps of the demo recipe (see `benchmarks/performance/train_step.py --demo`), with
+    `packing=mode`."""
     import importlib.util
 
     import torch
@@ -235,7 +236,7 @@ def _launch(workload: str, mode: str, processes: int, steps: int, layers: int) -
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         prefix += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port)]
-    cmd = [*prefix, __file__, "--_one", workload, mode, str(steps), str(layers)]
+    cmd = [*prefix, "-m", __spec__.name, "--_one", workload, mode, str(steps), str(layers)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
     if processes == 1:
         env.pop("OMP_NUM_THREADS")

@@ -1,11 +1,14 @@
 """The pre-registered staleness experiment (`docs/staleness_preregistration.md`): arms B and C of
-`benchmarks/async_staleness.py` on the arithmetic demo (SmolLM2-135M-Instruct), powered, with per-item results.
+`benchmarks/experiments/async_staleness.py` on the arithmetic demo (SmolLM2-135M-Instruct), powered, with per-item
+results.
 
-    python benchmarks/staleness_experiment.py run --plan primary --jobs 2      # 24 cells + the untrained evaluation
-    python benchmarks/staleness_experiment.py run --plan robustness --jobs 2   # the secondary comparisons' cells
-    python benchmarks/staleness_experiment.py analyze                          # analysis.json, docs/staleness_v2.png
+    # 24 cells and the untrained evaluation; the secondary comparisons' cells; analysis.json, docs/staleness_v2.png
+    python -m benchmarks.experiments.staleness_experiment run --plan primary --jobs 2
+    python -m benchmarks.experiments.staleness_experiment run --plan robustness --jobs 2
+    python -m benchmarks.experiments.staleness_experiment analyze
 
-The arms, the in-process lagged sampler and the drift metrics are those of `benchmarks/async_staleness.py` (its
+The arms, the in-process lagged sampler and the drift metrics are those of `benchmarks/experiments/async_staleness.py`
+(its
 docstring explains the simulated lag); what differs:
 
 * **One fixed held-out set**: the 256 addition problems of `arithmetic_splits(..., heldout_size=256, seed=0,
@@ -21,7 +24,8 @@ docstring explains the simulated lag); what differs:
   (`RolloutSample.model_version`); the lag of a trained sample is the trainer's version when it trains it minus that
   version, recorded per step as min, mean and max over the step's samples.
 * **One file per run** (`seed{seed}_lag{lag}_{arm}_lr{lr}.json`), written when the run ends, with its meta block
-  (`benchmarks/_provenance.py`: machine, date, command); `run` skips the runs whose file exists, so it resumes. A run
+  (`benchmarks/shared/provenance.py`: machine, date, command); `run` skips the runs whose file exists, so it resumes.
+  A run
   is one subprocess with one thread; `--jobs 2` runs two side by side.
 """
 
@@ -43,12 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stats  # noqa: E402
-from _provenance import provenance  # noqa: E402
-from async_staleness import ARM_NAMES, LN2, arm_options  # noqa: E402
+from benchmarks.experiments.async_staleness import ARM_NAMES, LN2, arm_options
+from benchmarks.shared import stats
+from benchmarks.shared.provenance import ROOT, command_line, provenance
 
-ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "staleness_v2"
 PLOT = ROOT / "docs" / "staleness_v2.png"
 
@@ -470,13 +472,13 @@ def run(plan: str, jobs: int, steps: int, out: Path, dry_run: bool) -> int:
         print("\n".join(c.name for c in cells))
         return 0
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", *map(shlex.quote, sys.argv)])
+    command = command_line()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "STALENESS_V2_RUN_COMMAND": command}  # fmt: skip
 
     def one(cell: Cell) -> tuple[Cell, int]:
-        cmd = [sys.executable, str(Path(__file__).relative_to(ROOT)), "cell", *cell.args(), "--steps", str(steps),
-               "--out", str(relative(out))]  # fmt: skip
+        cmd = [sys.executable, "-m", "benchmarks.experiments.staleness_experiment", "cell", *cell.args(),
+               "--steps", str(steps), "--out", str(relative(out))]  # fmt: skip
         with open(out / "logs" / f"{Path(cell.name).stem}.log", "w") as log:
             return cell, subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
 

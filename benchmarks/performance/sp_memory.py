@@ -17,8 +17,8 @@ The step time is the median over the timed steps. Threads are split evenly: sp=1
 sp ranks `cores / sp` (no speed-up is expected on 2 CPU cores; memory per rank should drop by about `1/sp` for the
 activations).
 
-    python benchmarks/sp_memory.py                                  # 2k, 4k, 8k tokens; sp 1 and 2
-    python benchmarks/sp_memory.py --tokens 2048 --sp 1 2 --steps 3 --hidden 256
+    python -m benchmarks.performance.sp_memory                                  # 2k, 4k, 8k tokens; sp 1 and 2
+    python -m benchmarks.performance.sp_memory --tokens 2048 --sp 1 2 --steps 3 --hidden 256
 """
 
 from __future__ import annotations
@@ -31,17 +31,14 @@ import statistics
 import sys
 import time
 
-from _memory import reset_peak_rss, status_kb
-from _provenance import provenance  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.shared import launch
+from benchmarks.shared.memory import reset_peak_rss, status_kb
+from benchmarks.shared.provenance import ROOT, provenance
 
 
 def worker(cli) -> None:
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, os.path.dirname(HERE))
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from hf_rlloss import GRPOLossConfig, GRPOLossContext
@@ -147,9 +144,6 @@ def worker(cli) -> None:
 
 
 def run(cli) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    import _launch  # the tests' launcher: free port, timeout, every worker killed by PID
-
     model_args = [
         "--hidden", str(cli.hidden), "--layers", str(cli.layers), "--heads", str(cli.heads),
         "--kv-heads", str(cli.kv_heads), "--vocab", str(cli.vocab), "--intermediate", str(cli.intermediate),
@@ -164,15 +158,16 @@ def run(cli) -> None:
     for tokens in cli.tokens:
         for sp in cli.sp:
             out = os.path.join(cli.results_dir, f".sp_memory_{tokens}_{sp}.json")
-            launcher = _launch.torchrun(sp)
-            cmd = [*launcher, __file__, "--worker", "--tokens", str(tokens), "--out", out, *model_args]
+            launcher = launch.torchrun(sp)  # free port, timeout, every worker killed by PID
+            cmd = [*launcher, "-m", "benchmarks.performance.sp_memory", "--worker", "--tokens", str(tokens)]
+            cmd += ["--out", out, *model_args]
             env = {
                 **os.environ,
                 "OMP_NUM_THREADS": str(max(1, cli.cores // sp)),
                 "MALLOC_MMAP_THRESHOLD_": "65536",  # freed activations go back to the OS
             }
             start = time.perf_counter()
-            proc = _launch.run(cmd, cli.timeout, env=env)  # on timeout: every worker killed by PID
+            proc = launch.run(cmd, cli.timeout, cwd=ROOT, env=env)  # on timeout: every worker killed by PID
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"tokens={tokens} sp={sp} failed")
@@ -252,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (non-reentrant)")
     parser.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     parser.add_argument("--timeout", type=float, default=1800)
-    parser.add_argument("--results-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="the results file (default: sp_memory_<date-time>.json in --results-dir)")
     return parser

@@ -6,9 +6,11 @@ subprocess times `--steps` steps after one warm-up and reports their median; the
 over repeats. The "GEMM floor" is the measured time of the three `tokens × hidden × vocab` matmuls
 (logits, grad of hidden, grad of weight) that any exact method must do; `time / floor` says how close a method is.
 
-    python benchmarks/loss_step.py                       # 4096 tokens × {49k, 152k} vocab, hidden 576, fp32
-    python benchmarks/loss_step.py --dtype bf16          # the same in bfloat16 (hidden states and head weight)
-    python benchmarks/loss_step.py --tokens 1024 4096 8192 --vocab 151936 --repeats 5
+    python -m benchmarks.performance.loss_step                       # 4096 tokens × {49k, 152k} vocab, hidden 576,
+    fp32
+    python -m benchmarks.performance.loss_step --dtype bf16          # the same in bfloat16 (hidden states and head
+    weight)
+    python -m benchmarks.performance.loss_step --tokens 1024 4096 8192 --vocab 151936 --repeats 5
 
 `hf_rlloss` runs with the default epilogue (compiled for half precision, and for float32 from a 100k vocabulary);
 `hf_rlloss_eager` and `hf_rlloss_compiled` force one or the other (`compile_epilogue`). In bf16 the naive method
@@ -23,11 +25,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
-from _memory import peak_rss_mb, reset_peak_rss, rss_mb
-from _provenance import provenance  # noqa: E402
+from benchmarks.shared.launch import python_module
+from benchmarks.shared.memory import peak_rss_mb, reset_peak_rss, rss_mb
+from benchmarks.shared.provenance import ROOT, provenance
 
 METHODS = ("hf_rlloss", "trl_chunked", "naive", "gemm_floor")
 EXTRA_METHODS = ("hf_rlloss_eager", "hf_rlloss_compiled")
@@ -138,10 +140,10 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0, s
 
 
 def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0, steps=1):
-    cmd = [sys.executable, __file__, "--_one", method, str(tokens), str(vocab), str(hidden), device, dtype]
-    cmd += [str(chunk_size), str(steps)]
+    cmd = [*python_module("benchmarks.performance.loss_step"), "--_one", method, str(tokens), str(vocab), str(hidden)]
+    cmd += [device, dtype, str(chunk_size), str(steps)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -1,6 +1,6 @@
 """The README's test command, timed: how many tests the default suite runs and how long it takes, set-up included.
 
-    python benchmarks/suite_time.py [--out benchmarks/results/test_suite.json]
+    python -m benchmarks.tools.suite_time [--out benchmarks/results/test_suite.json]
 
 Runs `make test` in the checkout (the first run creates `.venv` and installs; later runs reuse it) and records
 pytest's closing counts, pytest's own time, and the wall time of the whole command.
@@ -14,12 +14,9 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import provenance  # noqa: E402
+from benchmarks.shared.provenance import ROOT, provenance
 
-ROOT = Path(__file__).resolve().parents[1]
 CLOSING = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s\b")
 
 
@@ -47,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    meta = provenance("python benchmarks/suite_time.py") | {"suite_command": "make test"}
+    meta = provenance("python -m benchmarks.tools.suite_time") | {"suite_command": "make test"}
     start = time.time()
     proc = subprocess.run(["make", "test"], cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - start

@@ -1,17 +1,15 @@
 """Render every marked figure and table of the user pages from `benchmarks/results/` (`benchmarks/figures/core.py`).
 
-python benchmarks/render_figures.py           # rewrite the marked spans in place
-python benchmarks/render_figures.py --check   # exit 1 and list the problems if any page is stale or unbacked
+python -m benchmarks.tools.render_figures           # rewrite the marked spans in place
+python -m benchmarks.tools.render_figures --check   # exit 1 and list the problems if any page is stale or unbacked
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import core  # noqa: E402
+from benchmarks.figures import core
 
 
 def main(argv: list[str] | None = None) -> int:
