@@ -194,6 +194,7 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     if trainer.accelerator.is_main_process:
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
+        summary.write(os.path.join(training_args.output_dir, "run_summary.json"), training_args.output_dir, curves)
     # Stage 7: end cleanly: a colocated vLLM engine shut down, trackers finished, every process group destroyed
     trainer.accelerator.wait_for_everyone()
     several = trainer.accelerator.num_processes > 1

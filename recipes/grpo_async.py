@@ -243,6 +243,7 @@ def main(
         if "untrained" in evaluations:
             untrained = evaluations["untrained"]["accuracy"]
             summary.notes.append(f"held-out accuracy before the tool warm-up {untrained:.2f}")
+            summary.values["heldout_untrained"] = untrained
         with open(os.path.join(training_args.output_dir, "heldout.json"), "w") as f:
             json.dump(evaluations, f, indent=1)
     trainer.log_metrics("train", result.metrics)
@@ -252,6 +253,7 @@ def main(
     if trainer.accelerator.is_main_process:
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
+        summary.write(os.path.join(training_args.output_dir, "run_summary.json"), training_args.output_dir, curves)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
 

@@ -357,3 +357,42 @@ def test_the_demo_step_table_shows_every_repeat_with_its_load_and_order(tmp_path
     assert "| whole demo step, float32, generation included (CPU time, median of 3 repeats) | 15.00 s | 41.00 s |" in (
         headline
     )
+
+
+def test_a_sweep_reads_the_runs_json_summary_not_its_line(tmp_path):
+    """The recipes write `run_summary.json` beside `metrics.jsonl` (`RunSummaryCallback.write`); a seed sweep keeps
+    its numbers unrounded, the same numbers the `run summary:` line rounds."""
+    from hf_rlloss.recipe_support.callbacks import RunSummaryCallback
+
+    class State:
+        global_step = 0
+
+    summary, state = (
+        RunSummaryCallback(k=2, heldout_note="greedy, 8 prompts", series={"turns per episode": "t"}),
+        State(),
+    )
+    logs = [
+        (0, {"eval_rewards/accuracy_reward/mean": 0.125}),
+        (1, {"step_time": 1.0, "rewards/accuracy_reward/mean": 0.25, "t": 1.0}),
+        (2, {"step_time": 2.0, "rewards/accuracy_reward/mean": 0.5, "t": 1.5}),
+        (3, {"step_time": 4.0, "rewards/accuracy_reward/mean": 0.875, "t": 2.0}),
+        (3, {"eval_rewards/accuracy_reward/mean": 0.625}),
+    ]
+    for step, log in logs:
+        state.global_step = step
+        summary.on_log(None, state, None, logs=log)
+    summary.values["heldout_untrained"] = 0.0625
+    path = summary.write(str(tmp_path / "run_summary.json"), "out")
+    row = demo_seeds.outcome(json.loads(Path(path).read_text()))
+    assert row == {
+        "reward_first": 0.375, "reward_last": 0.6875, "heldout_before": 0.125, "heldout_after": 0.625,
+        "step_s": 7 / 3, "turns_first": 1.25, "turns_last": 1.75, "heldout_untrained": 0.0625,
+    }  # fmt: skip
+    assert summary.summary("out").startswith(
+        "run summary: accuracy reward 0.38 (first 2 steps) -> 0.69 (last 2 steps); turns per episode 1.25 (first 2 "
+        "steps) -> 1.75 (last 2 steps); held-out accuracy (greedy, 8 prompts) 0.12 (step 0) -> 0.62 (step 3); mean "
+        "step time 2.33 s over 3 steps"
+    )
+    summary.heldout = summary.heldout[1:]  # no evaluation at step 0: a sweep's before/after would be wrong
+    with pytest.raises(ValueError, match="no held-out accuracy at step 0"):
+        demo_seeds.outcome(summary.record("out"))

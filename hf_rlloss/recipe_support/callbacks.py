@@ -136,7 +136,22 @@ class RunSummaryCallback(TrainerCallback):
             Further logged metrics summarized as the reward is (first and last `k` values), by name:
             ``{"turns per episode": "rollout/turns_mean"}``.
 
-    `notes` (a list of strings) are appended to the summary line as they are.
+    `notes` (a list of strings) are appended to the summary line as they are; `values` (a dict of numbers, e.g.
+    ``{"heldout_untrained": accuracy}``) go into the JSON summary as they are.
+
+    The same outcome is given twice: `summary()`, one line for a person, and `record()`, a JSON object for a program,
+    which a recipe writes beside `metrics.jsonl` (`write(path)`, `run_summary.json`). Reading the JSON, not the line,
+    is what the benchmarks do.
+
+    Example:
+
+    ```python
+    >>> summary = RunSummaryCallback(k=8, heldout_note="greedy, 64 prompts")
+    >>> trainer = RLLossGRPOTrainer(..., callbacks=[summary])
+    >>> trainer.train()
+    >>> print(summary.summary(args.output_dir))  # run summary: accuracy reward ... -> ...; ...
+    >>> summary.write(os.path.join(args.output_dir, "run_summary.json"), args.output_dir)
+    ```
     """
 
     def __init__(
@@ -157,6 +172,7 @@ class RunSummaryCallback(TrainerCallback):
         self.summarized_key = reward_key
         self.series = {name: (key, []) for name, key in (series or {}).items()}
         self.notes: list[str] = []
+        self.values: dict[str, float] = {}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and heldout_value(logs) is not None:
@@ -173,29 +189,62 @@ class RunSummaryCallback(TrainerCallback):
             self.rewards.append(float(logs[key]))
             self.summarized_key = key
 
+    @staticmethod
+    def _first_last(values: list[float], k: int) -> dict | None:
+        """The mean of the first and of the last `k` values (fewer when there are fewer), and that `k`."""
+        k = min(k, len(values))
+        return {"first": sum(values[:k]) / k, "last": sum(values[-k:]) / k, "k": k} if k else None
+
+    def record(self, model_dir: str, curves: str | None = None) -> dict:
+        """The run's outcome as numbers: the reward (`name`, the logged `key`) and each of `series` over the first
+        and the last `k` steps, every held-out evaluation `(step, accuracy)` with the first and the last, the mean
+        step time and its number of steps, `values`, `notes`, the curves' and the model's paths."""
+        accuracy = self.summarized_key in ("rewards/accuracy_reward/mean", "rewards/accuracy_reward")
+        reward = self._first_last(self.rewards, self.k)
+        n = len(self.step_times)
+        return {
+            "reward": reward and {"name": "accuracy reward" if accuracy else self.summarized_key,
+                                  "key": self.summarized_key, **reward},
+            "series": {label: {"key": key, **found} for label, (key, values) in self.series.items()
+                       if (found := self._first_last(values, self.k))},
+            "heldout": self.heldout and {"note": self.heldout_note, "evaluations": [list(e) for e in self.heldout],
+                                         "first_step": self.heldout[0][0], "first": self.heldout[0][1],
+                                         "last_step": self.heldout[-1][0], "last": self.heldout[-1][1]},
+            "step_time": {"mean_s": sum(self.step_times) / n, "steps": n} if n else None,
+            "values": dict(self.values),
+            "notes": list(self.notes),
+            "curves": curves,
+            "model": model_dir,
+        }  # fmt: skip
+
     def summary(self, model_dir: str, curves: str | None = None) -> str:
         """One line: the reward over the first and the last `k` steps, the mean step time, the curves, the model."""
-        accuracy = self.summarized_key in ("rewards/accuracy_reward/mean", "rewards/accuracy_reward")
-        name = "accuracy reward" if accuracy else self.summarized_key
-        k = min(self.k, len(self.rewards))
-        n = len(self.step_times)
+        out = self.record(model_dir, curves)
         parts = []
-        if k:
-            first, last = sum(self.rewards[:k]) / k, sum(self.rewards[-k:]) / k
-            parts.append(f"{name} {first:.2f} (first {k} steps) -> {last:.2f} (last {k} steps)")
-        for label, (_, values) in self.series.items():
-            if values:
-                j = min(self.k, len(values))
-                first, last = sum(values[:j]) / j, sum(values[-j:]) / j
-                parts.append(f"{label} {first:.2f} (first {j} steps) -> {last:.2f} (last {j} steps)")
-        if self.heldout:
-            (first_step, first), (last_step, last) = self.heldout[0], self.heldout[-1]
-            note = f" ({self.heldout_note})" if self.heldout_note else ""
-            parts.append(f"held-out accuracy{note} {first:.2f} (step {first_step}) -> {last:.2f} (step {last_step})")
-        if n:
-            parts.append(f"mean step time {sum(self.step_times) / n:.2f} s over {n} steps")
+
+        def first_last(name: str, x: dict) -> str:
+            return f"{name} {x['first']:.2f} (first {x['k']} steps) -> {x['last']:.2f} (last {x['k']} steps)"
+
+        if out["reward"]:
+            parts.append(first_last(out["reward"]["name"], out["reward"]))
+        parts += [first_last(label, x) for label, x in out["series"].items()]
+        if out["heldout"]:
+            h = out["heldout"]
+            note = f" ({h['note']})" if h["note"] else ""
+            parts.append(
+                f"held-out accuracy{note} {h['first']:.2f} (step {h['first_step']}) -> {h['last']:.2f} "
+                f"(step {h['last_step']})"
+            )
+        if out["step_time"]:
+            parts.append(f"mean step time {out['step_time']['mean_s']:.2f} s over {out['step_time']['steps']} steps")
         parts += self.notes
         if curves:
             parts.append(f"curves: {curves}")
         parts.append(f"model: {model_dir}")
         return "run summary: " + "; ".join(parts)
+
+    def write(self, path: str, model_dir: str, curves: str | None = None) -> str:
+        """Write `record()` as JSON to `path` (a recipe: `run_summary.json` beside `metrics.jsonl`); returns `path`."""
+        with open(path, "w") as f:
+            json.dump(self.record(model_dir, curves), f, indent=1)
+        return path
