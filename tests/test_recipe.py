@@ -114,6 +114,9 @@ def test_smoke_recipe_with_two_processes(tmp_path, config):
     assert heldout == [0, 2], heldout
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("run summary:")]
     assert re.search(r"held-out accuracy \(greedy, 8 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\)", line), line
+    record = json.loads((out / "run_summary.json").read_text())  # the same numbers, for programs
+    assert [e[0] for e in record["heldout"]["evaluations"]] == [0, 2] and record["step_time"]["steps"] == 2
+    assert f"{record['heldout']['first']:.2f} (step 0) -> {record['heldout']['last']:.2f} (step 2)" in line
 
 
 @pytest.mark.parametrize("fast_bf16", [True, False])

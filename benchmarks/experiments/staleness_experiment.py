@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from benchmarks.experiments.async_staleness import ARM_NAMES, LN2, arm_options
+from benchmarks.experiments.async_staleness import lagged_sampler as async_lagged_sampler
 from benchmarks.shared import stats
 from benchmarks.shared.provenance import ROOT, command_line, provenance
 
@@ -163,105 +164,11 @@ class Setup:
 
 
 def lagged_sampler(setup: Setup, train: list[dict], seed: int, lag: int):
-    """`async_staleness.py`'s `LaggedSampler` (in-process rollout worker and weight transfer: one step's samples per
-    weight sync, served first in, first out, `lag + 1` batches of the first policy queued ahead), over `train`."""
-    import numpy as np
-    import torch
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-    from hf_rlloss.recipe_support.rewards import accuracy_reward
-    from hf_rlloss.trainer.async_.cpu_rollout import group_advantages
-    from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
-
-    tok = setup.tok
-
-    class LaggedSampler:
-        def __init__(self):
-            self.model = setup.load()
-            self.fifo: collections.deque = collections.deque()
-            self.metrics_queue = __import__("queue").Queue()
-            self.rollout_buffer = self
-            self.version = 0
-            self.batches = 0
-            self.generate_s = 0.0  # time spent generating (the rest of a step is the trainer's)
-
-        # RolloutWorkerProtocol
-        def start(self): ...
-        def stop(self): ...
-        def update_model_version(self, version): ...
-        def check_health(self, stale_after_s):
-            raise RuntimeError("LaggedSampler never runs dry")
-
-        # WeightTransferProtocol
-        def init_weight_transfer(self): ...
-        def pause(self): ...
-        def resume(self): ...
-        def destroy(self): ...
-
-        def send_weights(self, iterator):
-            self.model.load_state_dict({k: v.detach().clone() for k, v in iterator}, strict=False)
-            self.version += 1
-            for _ in range(lag + 1 if self.version == 1 else 1):
-                self.fifo.append(self.generate())
-
-        # the queue TRL's dataset pulls from
-        def qsize(self):
-            return sum(len(b) for b in self.fifo)
-
-        def get(self, timeout=None):
-            if not self.fifo:  # the prefetch got ahead of the weights: sample from the newest (lag 1)
-                self.fifo.append(self.generate())
-            batch = self.fifo[0]
-            sample = batch.pop(0)
-            if not batch:
-                self.fifo.popleft()
-            return sample
-
-        def generate(self):
-            start = time.time()
-            samples = self._generate()
-            self.generate_s += time.time() - start
-            return samples
-
-        @torch.no_grad()
-        def _generate(self):
-            index = self.batches
-            self.batches += 1
-            rows = [train[(index * PROMPTS_PER_STEP + i) % len(train)] for i in range(PROMPTS_PER_STEP)]
-            enc = tok([setup.text(r["prompt"]) for r in rows for _ in range(COMPLETIONS)], return_tensors="pt",
-                      padding=True, padding_side="left", add_special_tokens=False)  # fmt: skip
-            torch.manual_seed(seed * 100_003 + index)  # paired across arms: same seed per batch index
-            recorder = SampledTokenLogprobs()
-            with recording_logprobs(self.model, recorder):
-                out = self.model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                          max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tok.pad_token_id)  # fmt: skip
-            plen = enc["input_ids"].shape[1]
-            completions = []
-            for ids in out[:, plen:].tolist():
-                cut = next((t + 1 for t, x in enumerate(ids) if x == tok.eos_token_id), len(ids))
-                completions.append(ids[:cut])
-            logps = recorder.per_completion(completions, "full")[0]
-            samples = []
-            for g, row in enumerate(rows):
-                idx = list(range(g * COMPLETIONS, (g + 1) * COMPLETIONS))
-                texts = tok.batch_decode([completions[i] for i in idx], skip_special_tokens=True)
-                rewards = np.array(accuracy_reward(texts, [row["answer"]] * COMPLETIONS), dtype=float)
-                adv, _, _ = group_advantages(rewards)
-                for j, i in enumerate(idx):
-                    prompt = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-                    c = completions[i]
-                    samples.append(
-                        RolloutSample(
-                            prompt=row["prompt"], completion=texts[j], input_ids=np.asarray(prompt + c, np.int64),
-                            completion_mask=np.asarray([0] * len(prompt) + [1] * len(c), np.int64),
-                            old_log_probs=np.asarray([0.0] * len(prompt) + list(logps[i]), np.float32),
-                            advantage=float(adv[j]), model_version=self.version,
-                            group_id=index * PROMPTS_PER_STEP + g, metrics={"reward": float(rewards[j])},
-                        )
-                    )  # fmt: skip
-            return samples
-
-    return LaggedSampler()
+    """`async_staleness.lagged_sampler` over `train`, with the pre-registered prompts per step, completions and
+    completion length (one step's samples per weight sync, first in, first out, `lag + 1` batches of the first
+    policy queued ahead)."""
+    return async_lagged_sampler(setup.load, setup.tok, setup.text, train, seed, lag, PROMPTS_PER_STEP, COMPLETIONS,
+                                MAX_NEW_TOKENS)  # fmt: skip
 
 
 def drift_trainer_class():
