@@ -207,3 +207,147 @@ def test_a_violation_is_caught(tmp_path, monkeypatch):
             test_no_trl_below_the_trainer("loss")
     finally:
         module.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# benchmarks/ and tests/: a package by kind, imported one way (tests → benchmarks → hf_rlloss), no path hacks
+
+ROOT = PACKAGE.parent
+BENCHMARKS = ROOT / "benchmarks"
+TESTS = ROOT / "tests"
+# benchmarks/: scripts by kind, what they and the tests share, the renderers of the pages' figures, the results files
+BENCHMARK_KINDS = {"performance", "experiments", "tools", "shared", "figures", "results"}
+SCRIPT_KINDS = ("performance", "experiments", "tools")  # each module a script: `python -m benchmarks.<kind>.<name>`
+BENCHMARK_TOP = {"__init__.py", "refresh.py"}  # `python -m benchmarks.refresh`
+FLAT_ALLOWED: dict[str, str] = {}  # nothing sits flat in benchmarks/ but BENCHMARK_TOP
+
+
+def _benchmark_files() -> list[Path]:
+    files = sorted(p for p in BENCHMARKS.rglob("*.py") if "results" not in p.relative_to(BENCHMARKS).parts)
+    return [p for p in files if p.name not in FLAT_ALLOWED or p.parent != BENCHMARKS]
+
+
+def _dotted(path: Path) -> str:
+    return (
+        _module_name(path) if path.is_relative_to(PACKAGE) else ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    )
+
+
+def _benchmark_graph(files: list[Path] | None = None) -> dict[str, set[str]]:
+    """benchmarks module → the benchmarks modules it imports (anywhere in the file), packages' `__init__` left out."""
+    files = files or _benchmark_files()
+    names = {_dotted(p).removesuffix(".__init__") for p in files}
+    graph = {}
+    for path in files:
+        if path.name == "__init__.py":
+            continue
+        targets = set()
+        for imported in _imported_modules(path):
+            while imported and imported not in names:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != _dotted(path) and imported != "benchmarks":
+                targets.add(imported)
+        graph[_dotted(path)] = targets
+    return graph
+
+
+def _test_module_names() -> set[str]:
+    return {p.stem for p in TESTS.glob("*.py")}
+
+
+def _sys_path_edits(path: Path) -> list[int]:
+    """Lines of `path` that touch `sys.path`."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys"
+    ]
+
+
+def test_benchmarks_is_a_package_of_kinds_and_one_listed_flat_script():
+    assert {p.name for p in BENCHMARKS.iterdir() if p.is_dir() and p.name != "__pycache__"} == BENCHMARK_KINDS
+    assert {p.name for p in BENCHMARKS.glob("*.py")} == BENCHMARK_TOP | set(FLAT_ALLOWED)
+    for kind in BENCHMARK_KINDS - {"results"}:
+        assert (BENCHMARKS / kind / "__init__.py").is_file(), kind
+
+
+def test_no_benchmark_edits_sys_path():
+    edits = {str(p.relative_to(ROOT)): _sys_path_edits(p) for p in _benchmark_files()}
+    assert not {path: lines for path, lines in edits.items() if lines}
+
+
+def test_benchmarks_import_no_test_module_and_shared_imports_only_shared():
+    """tests → benchmarks, never back; `shared/` is what both import, so it imports nothing else of benchmarks/, and
+    nothing imports a script of `tools/` or `refresh` (entry points only)."""
+    tests = _test_module_names() | {"tests"}
+    for path in _benchmark_files():
+        wrong = {n for n in _imported_modules(path) if n.split(".")[0] in tests}
+        assert not wrong, f"{path.relative_to(ROOT)} imports test modules {sorted(wrong)}"
+    for module, targets in _benchmark_graph().items():
+        if module.startswith("benchmarks.shared."):
+            assert all(t.startswith("benchmarks.shared") for t in targets), (module, targets)
+        entry = {t for t in targets if t.startswith("benchmarks.tools") or t == "benchmarks.refresh"}
+        assert not entry, f"{module} imports the entry points {sorted(entry)}"
+
+
+def test_no_import_cycle_in_benchmarks_or_tests():
+    graph = _benchmark_graph()
+    assert "benchmarks.performance.scaling" in graph and graph["benchmarks.performance.scaling"] == {
+        "benchmarks.performance.loss_step",
+        "benchmarks.shared.provenance",
+    }  # the scan resolves `from benchmarks.x import y`
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    names = _test_module_names()
+    tests = {p.stem: {n.split(".")[0] for n in _imported_modules(p)} & (names - {p.stem}) for p in TESTS.glob("*.py")}
+    assert tests["_models"] == {"_trainer_utils"}  # plain-name imports of the tests' own modules
+    assert _cycle(tests) is None, " -> ".join(_cycle(tests))
+
+
+def test_tests_import_benchmarks_by_package_and_helpers_import_no_test():
+    """The tests reach benchmarks/ through its packages (`from benchmarks.shared import stats`), and the helper modules
+    (`tests/_*.py`) sit below the tests: none imports a `test_*` module."""
+    kinds = {f"benchmarks.{kind}" for kind in BENCHMARK_KINDS - {"results"}}
+    for path in sorted(TESTS.glob("*.py")):
+        imported = _imported_modules(path)
+        wrong = {
+            n for n in imported if n.split(".")[0] == "benchmarks" and n != "benchmarks" and not _within(n, kinds)
+        }
+        assert not wrong, f"tests/{path.name} imports {sorted(wrong)}"
+        assert not _sys_path_edits(path) or "benchmarks" not in path.read_text().split("sys.path", 1)[1][:80], path
+        if path.name.startswith("_"):
+            tests = {n for n in imported if n.split(".")[0].startswith("test_")}
+            assert not tests, f"tests/{path.name} imports the test modules {sorted(tests)}"
+
+
+def test_every_benchmark_script_runs_as_a_module_and_both_pages_list_it():
+    layout, readme = LAYOUT_PAGE.read_text(), (BENCHMARKS / "README.md").read_text()
+    scripts = [p for kind in SCRIPT_KINDS for p in sorted((BENCHMARKS / kind).glob("*.py")) if p.name != "__init__.py"]
+    assert len(scripts) >= 16
+    for path in [*scripts, BENCHMARKS / "refresh.py"]:
+        command = f"python -m {_dotted(path)}"
+        assert 'if __name__ == "__main__":' in path.read_text(), f"{path.relative_to(ROOT)} is not a script"
+        assert command in layout, f"docs/layout.md does not list `{command}`"
+        assert command in readme, f"benchmarks/README.md does not list `{command}`"
+    for path in sorted((BENCHMARKS / "shared").glob("*.py")) + sorted((BENCHMARKS / "figures").glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"`{path.relative_to(ROOT)}`" in layout, f"docs/layout.md does not name {path.relative_to(ROOT)}"
+
+
+def test_a_benchmark_that_imports_a_test_helper_or_edits_sys_path_is_caught():
+    probe = BENCHMARKS / "performance" / "_probe_for_layout_test.py"
+    try:
+        probe.write_text("import sys\nsys.path.insert(0, 'tests')\nimport _trainer_utils\n")
+        with pytest.raises(AssertionError, match="_probe_for_layout_test"):
+            test_no_benchmark_edits_sys_path()
+        with pytest.raises(AssertionError, match="imports test modules"):
+            test_benchmarks_import_no_test_module_and_shared_imports_only_shared()
+        probe.write_text("from benchmarks.experiments import demo_seeds\n")
+        (BENCHMARKS / "shared" / "_probe_for_layout_test.py").write_text(
+            "import benchmarks.performance._probe_for_layout_test\n"
+        )
+        with pytest.raises(AssertionError, match="benchmarks.shared._probe_for_layout_test"):
+            test_benchmarks_import_no_test_module_and_shared_imports_only_shared()
+    finally:
+        probe.unlink(missing_ok=True)
+        (BENCHMARKS / "shared" / "_probe_for_layout_test.py").unlink(missing_ok=True)

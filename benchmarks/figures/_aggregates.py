@@ -86,11 +86,8 @@ def _differences(stored, computed, how: Recomputation, path: str = "") -> list[s
     return [] if stored == computed else [f"{path.rstrip('.')}: stored {stored!r}, runs give {computed!r}"]
 
 
-def problems(name: str) -> list[str]:
-    """A stored aggregate that the file's runs do not give."""
-    from .core import Results
-
-    data = Results()(name)
+def problems(name: str, data) -> list[str]:
+    """A stored aggregate of results file `name` (its contents `data`) that the file's runs do not give."""
     try:
         how = _registered(name)
     except KeyError as err:

@@ -446,7 +446,7 @@ def sources() -> list[str]:
 
 def source_problems(source: str) -> list[str]:
     """What is wrong with one results file: its provenance, its command, its stored aggregate."""
-    return provenance_problems(source) + _aggregates.problems(source)
+    return provenance_problems(source) + _aggregates.problems(source, Results()(source))
 
 
 def check_sources() -> list[str]:
