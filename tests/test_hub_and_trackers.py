@@ -22,7 +22,7 @@ from huggingface_hub import HfApi, ModelCard
 from hf_rlloss import GRPOLossConfig, RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import SMOLLM2, TINY, hub_origin
 from hf_rlloss.recipe_support.callbacks import RunSummaryCallback
-from hf_rlloss.recipe_support.hub import complete_model_card, is_hub_repo_id, loss_config_from_card
+from hf_rlloss.trainer.common.model_card import complete_model_card, is_hub_repo_id, loss_config_from_card
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes/tiny/arithmetic/config_smoke.yaml"

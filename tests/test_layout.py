@@ -18,8 +18,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_rlloss"
 LAYOUT_PAGE = PACKAGE.parent / "docs" / "layout.md"
 # Layers from the bottom up; a module of layer i may import hf_rlloss modules of layers < i only (and its own).
 LAYERS = ["parallel", "loss", "trainer", "recipe_support"]
-# The trainer completes TRL's model card for the Hub: the one thing of the support package on the training path.
-ALLOWED_UPWARD = {"trainer": {"hf_rlloss.recipe_support.hub"}}
 
 
 def _imported_modules(path: Path, module_level: bool = False) -> set[str]:
@@ -165,9 +163,8 @@ def test_a_module_missing_from_the_layout_page_is_caught():
 @pytest.mark.parametrize("layer", LAYERS)
 def test_each_layer_imports_only_the_layers_below_it(layer):
     above = {f"hf_rlloss.{name}" for name in LAYERS[LAYERS.index(layer) + 1 :]}
-    allowed = ALLOWED_UPWARD.get(layer, set())
     for path in _layer_files(layer):
-        upward = {n for n in _imported_modules(path) if _within(n, above) and not _within(n, allowed)}
+        upward = {n for n in _imported_modules(path) if _within(n, above)}
         assert not upward, f"{layer}/{path.name} imports {sorted(upward)} from a layer above it"
 
 
@@ -186,8 +183,8 @@ def test_the_package_root_imports_the_trainer_only_lazily():
 def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path):
     module = PACKAGE / "loss" / "_probe_for_layout_test.py"  # must sit in the package to resolve `..`
     try:
-        module.write_text("from ..recipe_support.hub import f\nfrom .. import trainer\nimport hf_rlloss.parallel\n")
-        assert {"hf_rlloss.recipe_support.hub", "hf_rlloss.trainer", "hf_rlloss.parallel"} <= _imported_modules(module)
+        module.write_text("from ..recipe_support.tools import f\nfrom .. import trainer\nimport hf_rlloss.parallel\n")
+        assert {"hf_rlloss.recipe_support.tools", "hf_rlloss.trainer", "hf_rlloss.parallel"} <= _imported_modules(module)
         module.write_text("import torch\nfrom .kl import k\n\ndef f():\n    from ..trainer import T\n")
         assert "hf_rlloss.trainer" in _imported_modules(module)
         assert _imported_modules(module, module_level=True) == {"torch", "hf_rlloss.loss.kl", "hf_rlloss.loss.kl.k"}

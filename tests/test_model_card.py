@@ -14,9 +14,9 @@ from _trainer_utils import BASE_ARGS, make_model, make_tokenizer, reward_length
 from datasets import Dataset
 from huggingface_hub import ModelCard, ModelCardData
 
-from hf_rlloss.recipe_support.hub import base_model_license, dataset_example_prompt, quick_start_folder
 from hf_rlloss.recipe_support.tasks import arithmetic_dataset
 from hf_rlloss.trainer import RLLossGRPOConfig, RLLossGRPOTrainer
+from hf_rlloss.trainer.common.model_card import base_model_license, dataset_example_prompt, quick_start_folder
 
 BASE_CARD = "---\nlicense: mit\nlanguage: en\n---\n\n# A base model\n"
 

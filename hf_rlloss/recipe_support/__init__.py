@@ -5,10 +5,9 @@
 - `tasks`: the demo task (generated arithmetic) or a hub dataset with question/answer columns, as chat prompts.
 - `rewards`: verifiable-answer reward functions in TRL's signature, selectable by name.
 - `callbacks`: the metrics JSON-lines log, the training-curves plot and the end-of-run summary line.
-- `hub`: TRL's model card completed for the Hub (base model, the `rl_loss` configuration as YAML).
 
-The loss layer (config, context, policy losses, KL, rollout IS, metrics, sequence parallelism) never imports this
-package; the trainer imports only `hub`, to complete its model card. Each module is imported by its own path
+The loss layer (config, context, policy losses, KL, rollout IS, metrics, sequence parallelism) and the trainer never
+import this package (the model card is the trainer's: `hf_rlloss.trainer.common.model_card`). Each module is imported by its own path
 (``from hf_rlloss.recipe_support.rewards import get_reward_funcs``), so that importing one does not pull in the
 others' dependencies (matplotlib, gguf, datasets).
 """

@@ -1,7 +1,7 @@
 """What a finished synchronous run writes: a consolidated model under FSDP, and TRL's model card completed for the Hub.
 
 `ModelSaving` is mixed into `RLLossGRPOTrainer`; both methods are `Trainer`/`GRPOTrainer` overrides. The card's
-contents (base model, the `rl_loss` configuration as YAML, a runnable quick start) are `recipe_support/hub.py`'s.
+contents (base model, the `rl_loss` configuration as YAML, a runnable quick start) are `common/model_card.py`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from huggingface_hub import ModelCard
 from torch.distributed.fsdp import StateDictType
 
-from ...recipe_support.hub import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
+from ..common.model_card import base_model_license, complete_model_card, dataset_example_prompt, quick_start_folder
 from ..common.overrides import overridden
 
 __all__ = ["ModelSaving"]
@@ -42,7 +42,7 @@ class ModelSaving:
         base_model: str | None = None,
         example_prompt: str | None = None,
     ) -> None:
-        """TRL override: TRL's model card, completed for the Hub by `hf_rlloss.recipe_support.hub.complete_model_card`.
+        """TRL override: TRL's model card, completed for the Hub by `common.model_card.complete_model_card`.
 
         Its quick start loads the Hub repository when there is one (`hub_model_id`, `push_to_hub`), else the output
         folder relative to the working directory, and asks one of the training prompts; its front matter has the base
