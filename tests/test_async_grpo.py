@@ -674,7 +674,7 @@ def test_moe_router_loss_as_stock_async_trainer(moe_policy, tok, tmp_path):
 def test_auto_tree_attention_on_cuda_without_kernels_says_it_uses_sdpa(monkeypatch, caplog):
     """`tree_attention="auto"` picks TRL's FA3 kernel on CUDA when the `kernels` package is there; without it the
     portable SDPA tree attention runs, and a warning says why."""
-    from hf_rlloss.trainer.async_grpo_trainer import TREE_ATTENTION, tree_attention_name
+    from hf_rlloss.trainer.async_.attention import TREE_ATTENTION, tree_attention_name
 
     monkeypatch.setitem(__import__("sys").modules, "kernels", None)  # `import kernels` raises ImportError
     with caplog.at_level("WARNING"):

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
-from .async_.cpu_rollout import check_weight_lag
+from .async_.staleness import check_weight_lag
 from .common.routing_replay import ROUTING_REPLAY_MODES
 from .grpo_config import parse_rl_loss, refuse_quantized_loading, validate_rl_loss
 
@@ -125,7 +125,7 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             (TRL's own asynchronous vLLM worker divides by the population standard deviation + 1e-8.)
 
     Refused at construction: a configuration under which samples can only be too stale to train
-    (`ceil(num_mini_batches / weight_sync_steps) > max_staleness`: `cpu_rollout.least_trained_lag`).
+    (`ceil(num_mini_batches / weight_sync_steps) > max_staleness`: `staleness.least_trained_lag`).
 
     The validated loss configuration is `config.rl_loss_config`.
     """

@@ -51,6 +51,7 @@ from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel, SharedFlag
 from .multiturn import AgentSpec, Episode, MultiTurnRollouts, NonFiniteRewardError, prepare_tokenizer
 from .routing import sample_routes
+from .staleness import check_weight_lag, least_trained_lag
 
 logger = logging.get_logger(__name__)
 
@@ -925,59 +926,6 @@ class _WorkerLoop:
 
         episodes = self.multiturn.rollout(rows, s.num_generations, generate)
         return self._score_episodes(rows, episodes, version)
-
-
-def least_trained_lag(weight_lag: int, weight_sync_steps: int, num_mini_batches: int) -> int:
-    """The least lag, in policy versions, that a sample can have when it is trained, in a steady state where the
-    worker samples from the newest weights it may use (`weight_lag` versions behind the trainer's): the admissible
-    region of the staleness rule is `least_trained_lag(...) <= max_staleness`.
-
-    Every knob that ages a sample, and what it adds:
-
-    * `weight_lag`: the worker samples from weights this many versions behind the newest it received;
-    * the dataloader's prefetch (one micro-batch, Accelerate's): the first micro-batch of a batch is pulled while the
-      previous batch is trained, at that batch's version, and trained `num_mini_batches` optimizer steps later;
-      those steps cross up to `ceil(num_mini_batches / weight_sync_steps)` weight syncs (`weight_sync_steps`: the
-      optimizer steps between two syncs). The batch's other micro-batches are pulled at the version of its first
-      step, and the latest is trained `num_mini_batches - 1` steps later: no more syncs than the prefetched one;
-    * `gradient_accumulation_steps`, the queue's depth (`queue_maxsize`) and the worker's batch add nothing to the
-      least lag: the micro-batches of one optimizer step are trained at one version, and a sample that waited in
-      the queue is dropped when pulled and replaced by a fresher one. They set how many samples may have to be
-      dropped in a row before a fresh one comes, which the trainer's stale bound counts (`queue_maxsize` + the
-      worker's batch + `max_consecutive_empty_steps` steps' worth).
-
-    (`steps_per_generation` is an option of TRL's synchronous `GRPOConfig` only; its asynchronous counterpart is
-    `num_mini_batches`.) A configuration outside the region trains some steps at best, then drops every sample of a
-    micro-batch it can never fill and stops with `NoTrainableSamplesError`; `tests/test_async_staleness_region.py`
-    checks the region against a simulation of the trainer's pulls over a grid, and against short real runs.
-    """
-    return weight_lag + -(-num_mini_batches // weight_sync_steps)
-
-
-def check_weight_lag(weight_lag: int, args: Any) -> None:
-    """Refuse a configuration under which samples can only be too stale to train (`least_trained_lag` above
-    `max_staleness`), naming the knobs and the bound. Called by `RLLossAsyncGRPOConfig` (with `weight_lag` 0), by the
-    rollout workers and by the trainer."""
-    if not isinstance(weight_lag, int) or isinstance(weight_lag, bool) or weight_lag < 0:
-        raise ValueError(f"weight_lag={weight_lag!r} must be an integer >= 0")
-    staleness = getattr(args, "max_staleness", None)
-    if staleness is None:
-        return
-    every, mini = args.weight_sync_steps, getattr(args, "num_mini_batches", 1)
-    least = least_trained_lag(weight_lag, every, mini)
-    if least <= staleness:
-        return
-    syncs = least - weight_lag
-    raise ValueError(
-        f"weight_lag={weight_lag}, weight_sync_steps={every}, num_mini_batches={mini} with max_staleness={staleness}: "
-        f"a sample is trained at least weight_lag + ceil(num_mini_batches / weight_sync_steps) = {weight_lag} + "
-        f"{syncs} = {least} versions after the policy that sampled it (the dataloader's prefetched micro-batch waits "
-        f"num_mini_batches optimizer steps, across {syncs} weight sync(s)), so every such micro-batch would be "
-        f"dropped as too stale and training would stop. Allowed: weight_lag + ceil(num_mini_batches / "
-        f"weight_sync_steps) <= max_staleness: set max_staleness >= {least}"
-        + (f", or weight_lag <= {staleness - syncs}" if staleness - syncs >= 0 else "")
-        + " (gradient_accumulation_steps and queue_maxsize do not change the bound)"
-    )
 
 
 def _check_fixed_lag(fixed_lag: int, weight_lag: int, args: AsyncGRPOConfig) -> None:
