@@ -63,6 +63,21 @@ class AsyncScriptArguments(GRPOScriptArguments):
             whose chat template renders no tools gets `CHATML_TOOL_TEMPLATE` (ChatML models such as SmolLM2).
         on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): what a conversation that met a tool error
             becomes: `"feed_back"`, `"drop"` or `"raise"` (`AgentSpec`).
+        tool_timeout_s (`float`, *optional*, defaults to `60`): how long one tool call may run.
+        on_budget_cut (`str`, *optional*, defaults to `"keep"`): a turn cut by `max_completion_length` in the middle
+            of a tool call: `"keep"` (trained as a truncated completion) or `"rollout_error"` (follows
+            `on_rollout_error`).
+        tool_processes (`int`, *optional*, defaults to `4`): processes the tools run in (a hung call is stopped with
+            its process); `0`: threads of the rollout process.
+        max_hung_tool_threads (`int`, *optional*, defaults to `16`): timed-out tool calls still running in threads
+            beyond which the rollout process stops (`HungToolCallsError`).
+        shared_prompt_generation (`bool`, *optional*, defaults to `True`): the rollout process prefills each prompt
+            once for its `num_generations` completions.
+        groups_per_batch (`int`, *optional*): prompts per `generate` call of the rollout process; defaults to one
+            optimizer step's worth.
+        ready_timeout (`float`, *optional*, defaults to `600`): seconds to wait for the rollout process to load.
+        vllm_engine_max_model_len (`int`, *optional*): `VLLMRolloutWorker`'s `max_model_len` (the engine's context).
+        vllm_engine_kv_cache_gib (`int`, *optional*, defaults to `1`): `VLLMRolloutWorker`'s `kv_cache_gib`.
         tool_warmup_steps (`int`, *optional*, defaults to `0`): with `tools`, fine-tune the policy this many steps
             on worked tool conversations of training problems before GRPO (`warm_up_tool_calls`: the call format,
             which a small model does not write on its own); the warmed-up policy is saved to
@@ -81,6 +96,15 @@ class AsyncScriptArguments(GRPOScriptArguments):
     vllm_engine: bool = field(default=False, metadata={"help": "sample with VLLMRolloutWorker (a vLLM engine)"})
     tools: list[str] = field(default_factory=list, metadata={"help": "tools from recipe_support.tools.TOOLS"})
     on_rollout_error: str = field(default="feed_back", metadata={"help": "feed_back, drop or raise"})
+    tool_timeout_s: float = field(default=60.0, metadata={"help": "how long one tool call may run (seconds)"})
+    on_budget_cut: str = field(default="keep", metadata={"help": "a call cut by the budget: keep or rollout_error"})
+    tool_processes: int = field(default=4, metadata={"help": "processes the tools run in; 0: threads"})
+    max_hung_tool_threads: int = field(default=16, metadata={"help": "hung tool threads before the worker stops"})
+    shared_prompt_generation: bool = field(default=True, metadata={"help": "prefill each prompt once per group"})
+    groups_per_batch: int | None = field(default=None, metadata={"help": "prompts per generate call"})
+    ready_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the rollout process"})
+    vllm_engine_max_model_len: int | None = field(default=None, metadata={"help": "VLLMRolloutWorker's context"})
+    vllm_engine_kv_cache_gib: int = field(default=1, metadata={"help": "VLLMRolloutWorker's KV cache (GiB)"})
     tool_warmup_steps: int = field(default=0, metadata={"help": "steps teaching the tool-call format first"})
     tool_warmup_learning_rate: float = field(default=5e-5, metadata={"help": "learning rate of the tool warm-up"})
     heldout_samples: int = field(default=2, metadata={"help": "sampled conversations per held-out problem"})
@@ -118,16 +142,30 @@ def build_rollout(script_args, training_args, model_path, dataset, reward_funcs,
         return None, None
     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
-    worker_class = HFGenerateRolloutWorker
+    worker_class, engine = HFGenerateRolloutWorker, {}
     if script_args.vllm_engine:
         from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker as worker_class
+
+        engine = {"max_model_len": script_args.vllm_engine_max_model_len,
+                  "kv_cache_gib": script_args.vllm_engine_kv_cache_gib}  # fmt: skip
     worker = worker_class(
-        model_path, dataset, reward_funcs, tokenizer, training_args,
-        record_logprobs=script_args.record_rollout_logprobs, weight_lag=script_args.weight_lag,
-        fixed_lag=script_args.fixed_lag, threads=script_args.rollout_threads, tools=list(tools) or None,
-        on_rollout_error=script_args.on_rollout_error,
+        model_path, dataset, reward_funcs, tokenizer, training_args, **engine, **worker_options(script_args),
+        tools=list(tools) or None,
     )  # fmt: skip
     return worker, QueueWeightTransfer(worker)
+
+
+def worker_options(script_args) -> dict:
+    """The rollout worker's keyword arguments that `AsyncScriptArguments` sets (all but the data, the tools and the
+    vLLM engine's)."""
+    s = script_args
+    return dict(
+        record_logprobs=s.record_rollout_logprobs, shared_prompt_generation=s.shared_prompt_generation,
+        groups_per_batch=s.groups_per_batch, weight_lag=s.weight_lag, fixed_lag=s.fixed_lag,
+        threads=s.rollout_threads, ready_timeout=s.ready_timeout, tool_timeout_s=s.tool_timeout_s,
+        on_rollout_error=s.on_rollout_error, on_budget_cut=s.on_budget_cut, tool_processes=s.tool_processes,
+        max_hung_tool_threads=s.max_hung_tool_threads,
+    )  # fmt: skip
 
 
 def warm_up_tools(script_args, training_args, model_path, tokenizer, train, tools) -> str:
@@ -151,8 +189,9 @@ def warm_up_tools(script_args, training_args, model_path, tokenizer, train, tool
 def heldout_with_tools(model, tokenizer, rows, tools, script_args, training_args) -> dict:
     """The held-out evaluation of a tool run (`evaluate_with_tools`): sampled at the training temperature
     (`heldout_samples` conversations per item, seeded), the accuracy the summary reports, and greedy; with the
-    items."""
-    spec = AgentSpec(tools=list(tools), max_iterations=training_args.max_tool_calling_iterations)
+    items. The tools run in threads of the trainer's process (`tool_processes=0`), with the run's timeout."""
+    spec = AgentSpec(tools=list(tools), max_iterations=training_args.max_tool_calling_iterations,
+                     tool_timeout_s=script_args.tool_timeout_s, tool_processes=0)  # fmt: skip
     args = (model, tokenizer, rows, spec, training_args.max_completion_length)
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cpu_count())  # before and after training: the rollout process is not running

@@ -10,6 +10,7 @@ import math
 import re
 
 import torch
+from _tool_functions import multiply  # noqa: F401  (run in a tool process: a light module)
 from _trainer_utils import make_tokenizer
 from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -33,16 +34,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a * b
 
 
 class MultiplyEnvironment:
@@ -145,7 +136,7 @@ class ScriptedWorkerLoop(_WorkerLoop):
     """The CPU rollout worker's loop with `ScriptedToolRollout` (with log-probs) as its sampler; set as the worker's
     `_settings.loop_class`, it runs in the spawned process."""
 
-    def _generate_ids(self, prompt_ids, seed):
+    def _generate_ids(self, prompt_ids, seed, budgets=None):
         return ScriptedToolRollout(self.s.tokenizer, logprobs=True)(prompt_ids)
 
 

@@ -94,7 +94,7 @@ def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> _Wor
     loop.load()
     loop.version = 1
     script = script or ScriptedToolRollout(loop.s.tokenizer, logprobs=True)
-    loop._generate_ids = lambda prompt_ids, seed: script(prompt_ids)
+    loop._generate_ids = lambda prompt_ids, seed, budgets=None: script(prompt_ids)
     return loop
 
 

@@ -241,9 +241,9 @@ def run_multiturn(model_dir: str, out_dir: str) -> dict:
     loop.version = 1
     engine, script, calls = loop._generate_ids, ScriptedToolRollout(loop.s.tokenizer, logprobs=True), []
 
-    def generate(prompt_ids, seed):
+    def generate(prompt_ids, seed, budgets=None):
         calls.append(len(prompt_ids))
-        return script(prompt_ids) if len(calls) == 1 else engine(prompt_ids, seed)
+        return script(prompt_ids) if len(calls) == 1 else engine(prompt_ids, seed, budgets)
 
     loop._generate_ids = generate
     samples = loop._generate_batch()

@@ -183,11 +183,11 @@ def evaluate_with_tools(
     eos = tokenizer.eos_token_id
     sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature}
 
-    def generate(prompt_ids: list[list[int]], call: int) -> tuple[list[list[int]], list[list[float]]]:
+    def generate(prompt_ids: list[list[int]], call: int, budgets: list[int]) -> tuple[list, list]:
         width = max(len(p) for p in prompt_ids)
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_completion_length, top_p=1.0,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), top_p=1.0,
                              top_k=0, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **sampling)  # fmt: skip
         completions = []
         for row in out[:, width:].tolist():

@@ -49,7 +49,7 @@ from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.shared_prefill import sharing_prompts
 from .channel import LatestWeights, SampleChannel, SharedFlag
-from .multiturn import AgentSpec, Episode, MultiTurnRollouts, NonFiniteRewardError, prepare_tokenizer
+from .multiturn import AgentSpec, BudgetCutError, Episode, MultiTurnRollouts, NonFiniteRewardError, prepare_tokenizer
 from .routing import sample_routes
 from .staleness import check_weight_lag, least_trained_lag
 
@@ -203,6 +203,15 @@ class HFGenerateRolloutWorker:
         on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): what a multi-turn sample that met a
             `multiturn.RolloutError` becomes: `"feed_back"` (TRL's behaviour: the error is the tool's reply),
             `"drop"` (its group is dropped) or `"raise"`; every case is counted in `rollout/errors/*` metrics.
+        on_budget_cut (`str`, *optional*, defaults to `"keep"`): a turn cut by the completion budget in the middle of
+            a tool call (`multiturn.BudgetCutError`, counted): `"keep"` (trained as a truncated completion) or
+            `"rollout_error"` (follows `on_rollout_error`).
+        tool_processes (`int`, *optional*, defaults to `4`): processes the tools run in, side by side; a call that
+            does not return within `tool_timeout_s` is stopped with its process (`async_/tool_calls.py`). `0`: the
+            tools run in threads of the rollout process.
+        max_hung_tool_threads (`int`, *optional*, defaults to `16`): tool calls run in threads (an environment's
+            methods, tools under `tool_processes=0` or defined in the main script) that timed out and still run,
+            beyond which the worker stops with `HungToolCallsError`.
     """
 
     def __init__(
@@ -224,6 +233,9 @@ class HFGenerateRolloutWorker:
         environment_factory: Any = None,
         tool_timeout_s: float = 60.0,
         on_rollout_error: str = "feed_back",
+        on_budget_cut: str = "keep",
+        tool_processes: int = 4,
+        max_hung_tool_threads: int = 16,
     ):
         for name in VLLM_ONLY_OPTIONS:
             if getattr(args, name) != _default(name):
@@ -239,7 +251,7 @@ class HFGenerateRolloutWorker:
             raise TypeError("HFGenerateRolloutWorker loads its own copy of the policy: pass the model's path")
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
         agent = AgentSpec(list(tools or []), environment_factory, args.max_tool_calling_iterations, tool_timeout_s,
-                          on_rollout_error)  # fmt: skip
+                          on_rollout_error, on_budget_cut, tool_processes, max_hung_tool_threads)  # fmt: skip
         if not agent.enabled and args.max_tool_calling_iterations is not None:
             raise ValueError(
                 f"max_tool_calling_iterations={args.max_tool_calling_iterations} without tools or "
@@ -597,7 +609,8 @@ class _WorkerLoop:
         self.dropped: dict[str, int] = {}  # groups dropped in a row, by kind (`on_rollout_error="drop"`)
 
     def tick(self) -> None:
-        """Progress: a batch put samples, a tool call ended, or the worker waits on the trainer."""
+        """Progress: a batch put samples, a tool call ended (`MultiTurnRollouts`' tick), or the worker waits on the
+        trainer."""
         if self.heartbeat is not None:
             self.heartbeat.value = time.time()
 
@@ -617,7 +630,7 @@ class _WorkerLoop:
         self.multiturn = None
         if s.agent is not None:
             self.multiturn = MultiTurnRollouts(s.agent, s.tokenizer, s.chat_template_kwargs, s.max_completion_length,
-                                               s.max_model_len)  # fmt: skip
+                                               s.max_model_len, tick=self.tick)  # fmt: skip
 
     def load_resume_weights(self) -> None:
         """A resumed run's policy versions (`restore`): kept as if received, before any weights of the trainer."""
@@ -782,11 +795,12 @@ class _WorkerLoop:
         for g, row in enumerate(rows):
             group = episodes[g * s.num_generations : (g + 1) * s.num_generations]
             per_func, names = self._rewards(row, group)
-            kinds = sorted({e.kind for episode in group for e in episode.errors})
             for kind in (e.kind for episode in group for e in episode.errors):
                 counts[f"rollout/errors/{kind}_total"] = counts.get(f"rollout/errors/{kind}_total", 0.0) + 1.0
+            errors = [e for episode in group for e in episode.errors if self._follows_policy(e)]
+            kinds = sorted({e.kind for e in errors})
             if kinds and s.agent is not None and s.agent.on_rollout_error == "raise":
-                raise next(e for episode in group for e in episode.errors)
+                raise errors[0]
             if kinds and s.agent is not None and s.agent.on_rollout_error == "drop":
                 for kind in kinds:
                     key = f"rollout/dropped_groups/{kind}_total"
@@ -812,6 +826,12 @@ class _WorkerLoop:
                 pass
         return samples
 
+    def _follows_policy(self, error) -> bool:
+        """Whether a counted rollout error follows `on_rollout_error`: all but a budget cut under
+        `on_budget_cut="keep"`."""
+        agent = self.s.agent
+        return not (isinstance(error, BudgetCutError) and agent is not None and agent.on_budget_cut == "keep")
+
     def _check_dropped(self) -> None:
         """Stop (`NoRolloutSamplesError`) after `max_dropped_groups` groups in a row dropped by the policy: the worker
         would otherwise make empty batches for ever while the trainer waits."""
@@ -823,7 +843,9 @@ class _WorkerLoop:
                 f"the last {total} prompt groups were all dropped by on_rollout_error='drop' ({kinds}; "
                 f"max_consecutive_empty_steps x groups per step = {limit}): the worker makes no trainable sample. "
                 "Fix what fails (the rollout/errors/* metrics count it), or use on_rollout_error='feed_back'"
-            )
+                + (", or on_budget_cut='keep' (budget_cut: conversations cut by max_completion_length in the middle "
+                   "of a tool call; or raise max_completion_length)" if "budget_cut" in self.dropped else "")
+            )  # fmt: skip
 
     def _rewards(self, row, episodes: list[Episode]) -> tuple[np.ndarray, list[str]]:
         """`(F, G)` rewards of one group, a row per reward function and then per environment class with a
@@ -894,9 +916,11 @@ class _WorkerLoop:
     # Multi-turn (tools, environments: `async_/multiturn.py`)
 
     @torch.no_grad()
-    def _generate_ids(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate_ids(self, prompt_ids: list[list[int]], seed: int, budgets: list[int] | None = None
+                      ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
         """One completion per prompt (ids up to and including the EOS) and its tokens' behaviour log-probs (NaN when
-        not recorded), sampled under `seed`; the prompts left padded into one `generate` call."""
+        not recorded), sampled under `seed`; the prompts left padded into one `generate` call of the largest of the
+        `budgets` new tokens (the multi-turn loop cuts each completion to its own)."""
         s, tok = self.s, self.s.tokenizer
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompt_ids])
@@ -904,8 +928,9 @@ class _WorkerLoop:
         recorder = SampledTokenLogprobs()
         with torch.random.fork_rng(devices=[]), recording_logprobs(self.model, recorder):
             torch.manual_seed(seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=mask, **s.generation_kwargs,
-                                      eos_token_id=self.eos_ids, pad_token_id=tok.pad_token_id)  # fmt: skip
+            kwargs = dict(s.generation_kwargs, max_new_tokens=max(budgets or [s.generation_kwargs["max_new_tokens"]]))
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, **kwargs, eos_token_id=self.eos_ids,
+                                      pad_token_id=tok.pad_token_id)  # fmt: skip
         completions = [_cut_at_eos(ids, self.eos_ids) for ids in out[:, width:].tolist()]
         if not s.record_logprobs:
             return completions, [[math.nan] * len(c) for c in completions]
@@ -920,9 +945,9 @@ class _WorkerLoop:
         self.next_prompt += len(rows)
         version = self.version
 
-        def generate(prompt_ids: list[list[int]], call: int) -> tuple[list[list[int]], list[list[float]]]:
+        def generate(prompt_ids: list[list[int]], call: int, budgets: list[int]):
             seed = int(np.random.SeedSequence([int(s.seed), int(first), int(call)]).generate_state(1)[0])
-            return self._generate_ids(prompt_ids, seed)
+            return self._generate_ids(prompt_ids, seed, budgets)
 
         episodes = self.multiturn.rollout(rows, s.num_generations, generate)
         return self._score_episodes(rows, episodes, version)

@@ -18,25 +18,30 @@ What the workers add to TRL's loop:
   are loaded between batches only), so a sample's tokens all come from the version it is tagged with, and the rollout
   IS weight of each model token is taken against that policy.
 * **Named rollout errors** (`RolloutError`): a tool that raises (`ToolRaisedError`), a tool that does not return
-  within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context (`ContextOverflowError`), and a
-  tool call that does not parse or names no tool (`MalformedToolCallError`). `on_rollout_error` says what happens to
-  a sample that met one: `"feed_back"` (TRL's behaviour: the error text is the tool's reply, the conversation goes
-  on), `"drop"` (its whole group is dropped: a group's advantages are normalized together), or `"raise"` (the worker
-  stops with the error, which the trainer raises). Every error and every dropped group is counted in a metric
-  (`rollout/errors/<kind>_total`, `rollout/dropped_groups/<kind>_total`); nothing is dropped silently.
+  within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context (`ContextOverflowError`), a
+  tool call that does not parse or names no tool (`MalformedToolCallError`), and a turn cut by the completion budget
+  in the middle of a tool call (`BudgetCutError`; a rollout error only under `on_budget_cut="rollout_error"`).
+  `on_rollout_error` says what happens to a sample that met one: `"feed_back"` (TRL's behaviour: the error text is
+  the tool's reply, the conversation goes on), `"drop"` (its whole group is dropped: a group's advantages are
+  normalized together), or `"raise"` (the worker stops with the error, which the trainer raises). Every error and
+  every dropped group is counted in a metric (`rollout/errors/<kind>_total`, `rollout/dropped_groups/<kind>_total`);
+  nothing is dropped silently.
+* **Tool calls side by side, each stoppable** (`async_/tool_calls.py`): a turn's tool calls run concurrently, a tool
+  in a small process of its own that is killed when it does not return in time, an environment's method in a thread
+  (with a bound on threads left hanging); every call that ends ticks the worker's heartbeat.
+* **Each turn asks for the budget that remains**: the sampler is given, per conversation, `max_completion_length`
+  minus the completion's tokens so far (the replies included).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import inspect
 import math
 import pickle
-import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trl import GRPOTrainer
@@ -48,10 +53,15 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
+from .tool_calls import HungToolCallsError, ToolRunner, in_main_module, preload
+
 __all__ = [
     "ON_ROLLOUT_ERROR",
+    "ON_BUDGET_CUT",
     "AgentSpec",
+    "BudgetCutError",
     "ContextOverflowError",
+    "HungToolCallsError",
     "Episode",
     "MalformedToolCallError",
     "MultiTurnRollouts",
@@ -62,9 +72,10 @@ __all__ = [
 ]
 
 ON_ROLLOUT_ERROR = ("feed_back", "drop", "raise")
+ON_BUDGET_CUT = ("keep", "rollout_error")
 # a worker's sampler: one completion per prompt (ids up to and including the EOS) and its log-probs; the int counts the
-# calls of a batch
-Generate = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]]]]
+# calls of a batch, the list is each prompt's completion budget (the tokens it may still sample)
+Generate = Callable[[list[list[int]], int, list[int]], tuple[list[list[int]], list[list[float]]]]
 
 
 class RolloutError(RuntimeError):
@@ -99,6 +110,14 @@ class MalformedToolCallError(RolloutError):
     kind = "malformed_tool_call"
 
 
+class BudgetCutError(RolloutError):
+    """The completion budget (`max_completion_length`, or the model's context) ran out in the middle of a tool call
+    the model was writing. Always counted; a rollout error that follows `on_rollout_error` only under
+    `on_budget_cut="rollout_error"` (by default the sample is trained as TRL trains a truncated completion)."""
+
+    kind = "budget_cut"
+
+
 class NonFiniteRewardError(RolloutError):
     """An environment's `get_reward` returned NaN or ±inf, or a reward function ±inf (a reward function's NaN, or
     `None`, is TRL's "skipped")."""
@@ -107,7 +126,7 @@ class NonFiniteRewardError(RolloutError):
 
 
 ERROR_KINDS = tuple(cls.kind for cls in (ToolRaisedError, ToolTimeoutError, ContextOverflowError,
-                                         MalformedToolCallError, NonFiniteRewardError))  # fmt: skip
+                                         MalformedToolCallError, BudgetCutError, NonFiniteRewardError))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -123,6 +142,23 @@ class AgentSpec:
         max_iterations (`int`, *optional*): TRL's `max_tool_calling_iterations`; `None`: until the completion budget.
         tool_timeout_s (`float`, *optional*, defaults to `60`): how long one tool call may run.
         on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): one of `ON_ROLLOUT_ERROR`.
+        on_budget_cut (`str`, *optional*, defaults to `"keep"`): a turn cut by the completion budget in the middle of
+            a tool call (`BudgetCutError`, always counted): `"keep"` trains it as a truncated completion,
+            `"rollout_error"` makes it a rollout error that follows `on_rollout_error`.
+        tool_processes (`int`, *optional*, defaults to `4`): processes the tools run in (concurrent tool calls; a
+            call that does not return in time is stopped with its process); `0`: threads of the rollout process.
+        max_hung_tool_threads (`int`, *optional*, defaults to `16`): calls run in threads (an environment's methods,
+            tools under `tool_processes=0` or defined in the main script) that timed out and still run, beyond which
+            the worker stops with `HungToolCallsError`.
+
+    Example:
+
+    ```python
+    >>> from hf_rlloss.trainer.async_.multiturn import AgentSpec
+    >>> from hf_rlloss.recipe_support.tools import TOOLS
+    >>> AgentSpec(tools=list(TOOLS.values()), tool_timeout_s=10, on_rollout_error="drop").tool_processes
+    4
+    ```
     """
 
     tools: list[Callable] = dataclasses.field(default_factory=list)
@@ -130,10 +166,19 @@ class AgentSpec:
     max_iterations: int | None = None
     tool_timeout_s: float = 60.0
     on_rollout_error: str = "feed_back"
+    on_budget_cut: str = "keep"
+    tool_processes: int = 4
+    max_hung_tool_threads: int = 16
 
     def __post_init__(self) -> None:
         if self.on_rollout_error not in ON_ROLLOUT_ERROR:
             raise ValueError(f"on_rollout_error={self.on_rollout_error!r}: allowed values are {ON_ROLLOUT_ERROR}")
+        if self.on_budget_cut not in ON_BUDGET_CUT:
+            raise ValueError(f"on_budget_cut={self.on_budget_cut!r}: allowed values are {ON_BUDGET_CUT}")
+        for name, least in (("tool_processes", 0), ("max_hung_tool_threads", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name}={value!r} must be an integer >= {least}")
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
             raise ValueError(f"tool_timeout_s={self.tool_timeout_s!r} must be a number of seconds > 0")
         if self.max_iterations is not None and (not isinstance(self.max_iterations, int) or self.max_iterations < 0):
@@ -217,42 +262,74 @@ def _tool_call_marker(tokenizer: Any) -> str | None:
 
 
 class _Guarded:
-    """A tool run in a thread of its own, for at most `timeout_s`; its errors are recorded on the episode's list.
+    """A tool as TRL's loop calls it: the call is collected from the batch's `ToolRunner` (started with its turn's
+    others, `_ToolBatch`), for at most `tool_timeout_s`; its errors are recorded on the episode's list.
 
     On an exception the original is re-raised, so that TRL's loop feeds back exactly what `GRPOTrainer` would."""
 
-    def __init__(self, tool: Callable, errors: list[RolloutError], timeout_s: float):
-        self.tool, self.errors, self.timeout_s = tool, errors, timeout_s
+    def __init__(self, tool: Callable, errors: list[RolloutError], batch: _ToolBatch, sample: int):
+        self.tool, self.errors, self.batch, self.sample = tool, errors, batch, sample
         self.__name__ = tool.__name__
         self.__qualname__ = getattr(tool, "__qualname__", tool.__name__)  # Python's `**` error names the tool by it
+        environment = getattr(tool, "__self__", None)
+        self.lane = environment if inspect.ismethod(tool) else None  # an environment's calls: in order, in a thread
+        self.thread = self.lane is not None or in_main_module(tool)
+
+    def submit(self, arguments: Mapping[str, Any]):
+        return self.batch.runner.submit(self.tool, dict(arguments), self.lane, thread=self.thread)
 
     def __call__(self, **arguments: Any) -> Any:
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                result = self.tool(**arguments)
-                box["result"] = asyncio.run(result) if inspect.isawaitable(result) else result
-            except BaseException as error:  # noqa: BLE001 - reported to the caller
-                box["error"] = error
-
-        thread = threading.Thread(target=target, daemon=True, name=f"tool-{self.__name__}")
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            error = ToolTimeoutError(
-                f"tool {self.__name__!r} did not return within tool_timeout_s={self.timeout_s:g}s"
-            )
+        try:
+            outcome = self.batch.runner.result(self.batch.take(self, arguments))
+        except HungToolCallsError as error:  # TRL's loop feeds back every Exception: the batch raises it after
+            self.batch.fatal = self.batch.fatal or error
+            raise
+        if outcome[0] == "timeout":
+            error = ToolTimeoutError(f"tool {self.__name__!r} {outcome[1]}")
             self.errors.append(error)
             raise error
-        if "error" in box:
-            cause = box["error"]
+        if outcome[0] == "raised":
+            cause = outcome[1]
             error = ToolRaisedError(f"tool {self.__name__!r} raised {type(cause).__name__}: {cause} (arguments "
                                     f"{arguments!r})")  # fmt: skip
             error.__cause__ = cause
             self.errors.append(error)
             raise cause
-        return box["result"]
+        return outcome[1]
+
+
+class _ToolBatch:
+    """The tool calls of one batch: at the first call TRL's loop makes in a turn, every call of that turn (the last
+    assistant message of each conversation, not seen before) is submitted to the runner, so that they run side by side
+    while TRL's loop collects them one after another."""
+
+    def __init__(self, runner: ToolRunner, completions: list[list[dict]], tool_dicts: list[dict[str, _Guarded]]):
+        self.runner, self.completions, self.tool_dicts = runner, completions, tool_dicts
+        self.seen: set[tuple[int, int]] = set()
+        self.queued: dict[int, list[Any]] = {}
+        self.fatal: HungToolCallsError | None = None  # raised by `rollout` once TRL's loop returns
+
+    def submit_turn(self) -> None:
+        for j, messages in enumerate(self.completions):
+            message = messages[-1] if messages else {}
+            if message.get("role") != "assistant" or (j, len(messages)) in self.seen:
+                continue
+            self.seen.add((j, len(messages)))
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                tool = self.tool_dicts[j].get(function.get("name"))
+                if call.get("type") == "function" and tool is not None and isinstance(function.get("arguments"),
+                                                                                       Mapping):  # fmt: skip
+                    self.queued.setdefault(j, []).append(tool.submit(function["arguments"]))
+
+    def take(self, tool: _Guarded, arguments: dict[str, Any]):
+        """The submitted call of `tool` with `arguments` in its conversation (submitted now if none is)."""
+        self.submit_turn()
+        queued = self.queued.get(tool.sample, [])
+        for k, call in enumerate(queued):
+            if call.function is tool.tool and call.arguments == arguments:
+                return queued.pop(k)
+        return tool.submit(arguments)
 
 
 class MultiTurnRollouts:
@@ -264,11 +341,15 @@ class MultiTurnRollouts:
         chat_template_kwargs (`dict`): as TRL's `chat_template_kwargs`.
         max_completion_length (`int`): the completion budget over all turns (replies included), as in TRL.
         max_model_len (`int`): the model's context.
+        tick (`Callable`, *optional*): called whenever a tool call ends (the worker's heartbeat).
     """
 
     def __init__(self, spec: AgentSpec, tokenizer: Any, chat_template_kwargs: dict[str, Any],
-                 max_completion_length: int, max_model_len: int):  # fmt: skip
+                 max_completion_length: int, max_model_len: int, tick: Callable[[], None] | None = None):  # fmt: skip
         self.spec, self.tok = spec, tokenizer
+        if spec.tool_processes and spec.tools:
+            preload(spec.tools)
+        self.runner = ToolRunner(spec.tool_timeout_s, spec.tool_processes, spec.max_hung_tool_threads, tick)
         self.multi_environment = isinstance(spec.environment_factory, dict)
         if spec.environment_factory is None:
             self.factories = None
@@ -327,8 +408,9 @@ class MultiTurnRollouts:
         return self.env_tools[name] if self.factories is not None else self.spec.tools
 
     def rollout(self, rows: list[dict[str, Any]], num_generations: int, generate: Generate) -> list[Episode]:
-        """`num_generations` conversations per row, consecutive. `generate(prompt_ids, call)` samples one completion
-        per prompt (ids up to and including the EOS, and their log-probs); `call` counts the calls of this batch."""
+        """`num_generations` conversations per row, consecutive. `generate(prompt_ids, call, budgets)` samples one
+        completion per prompt (ids up to and including the EOS, and their log-probs), at most `budgets[i]` tokens for
+        prompt `i` (the completion budget its conversation has left); `call` counts the calls of this batch."""
         names, environments, prompts = [], [], []
         cursor: dict[Any, int] = {}
         for row in rows:
@@ -360,23 +442,34 @@ class MultiTurnRollouts:
             for prompt, name in zip(prompts, names, strict=True)
         ]  # fmt: skip
         calls = iter(range(1 << 30))
-        completion_ids, logprobs = generate(prompt_ids, next(calls))
+        completion_ids, logprobs = generate(prompt_ids, next(calls), [self.max_completion_length] * len(prompt_ids))
         completions = [
             [parse_response(self.tok, ids, prefix=prompt_ids[i], tools=self._tools_of(names[i]))]
             for i, ids in enumerate(completion_ids)
         ]
         errors: list[list[RolloutError]] = [[] for _ in prompts]
-        tool_dicts = []
+        batch = _ToolBatch(self.runner, completions, [])
         for i, environment in enumerate(environments):
             tools = list(self.spec.tools) + ([] if environment is None else _method_tools(environment))
-            tool_dicts.append({t.__name__: _Guarded(t, errors[i], self.spec.tool_timeout_s) for t in tools})
+            batch.tool_dicts.append({t.__name__: _Guarded(t, errors[i], batch, i) for t in tools})
         host = self.host
         host._batch_environments = names
-        host._sync_tool_dicts, host._async_tool_dicts = tool_dicts, [{} for _ in prompts]
-        host._generate_single_turn = lambda ids, images, fields, num_generations, **_: generate(ids, next(calls))
-        tool_mask, completions, completion_ids, logprobs, _, _, images = GRPOTrainer._tool_call_loop(
-            host, copy.deepcopy(prompts), prompt_ids, completion_ids, completions, logprobs, None, {}
-        )
+        host._sync_tool_dicts, host._async_tool_dicts = batch.tool_dicts, [{} for _ in prompts]
+
+        def next_turn(ids, images, fields, num_generations, **_):
+            return generate(ids, next(calls), self._budgets(ids, prompt_ids, completion_ids))
+
+        host._generate_single_turn = next_turn
+        try:
+            tool_mask, completions, completion_ids, logprobs, _, _, images = GRPOTrainer._tool_call_loop(
+                host, copy.deepcopy(prompts), prompt_ids, completion_ids, completions, logprobs, None, {}
+            )
+        finally:
+            self.runner.abandon()
+            self._retire_hung(names, environments)
+        if batch.fatal is not None:
+            raise batch.fatal
+        tool_dicts = batch.tool_dicts
         if any(images):
             raise ValueError("a tool replied with images: the asynchronous rollout workers are text-only")
         episodes = []
@@ -386,6 +479,32 @@ class MultiTurnRollouts:
             self._audit(episode, tool_dicts[i])
             episodes.append(episode)
         return episodes
+
+    def _budgets(self, ids: list[list[int]], prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list:
+        """The completion budget left to each conversation TRL's loop continues (`ids`: its prompt, completion so far
+        and the replies): `max_completion_length` minus the completion's tokens (at least 1: TRL's loop cuts what
+        exceeds)."""
+        budgets = []
+        for sequence in ids:
+            prompt = max(
+                (p for p, c in zip(prompt_ids, completion_ids, strict=True)
+                 if sequence[: len(p) + len(c)] == p + c),
+                key=len, default=[],
+            )  # fmt: skip
+            budgets.append(max(1, self.max_completion_length - (len(sequence) - len(prompt))))
+        return budgets
+
+    def _retire_hung(self, names: list[Any], environments: list[Any]) -> None:
+        """Replace in the pool, by a new one from its factory, an environment whose call timed out and still runs
+        (its thread cannot be stopped; the runner counts it against `max_hung_tool_threads`)."""
+        for name, environment in zip(names, environments, strict=True):
+            if environment is not None and self.runner.is_hung(environment):
+                pool = self.pool[name]
+                pool[next(k for k, e in enumerate(pool) if e is environment)] = self.factories[name]()
+
+    def close(self) -> None:
+        """Stop the tool processes."""
+        self.runner.close()
 
     def _audit(self, episode: Episode, tools: dict[str, Any]) -> None:
         """Count the episode's tool calls; name what TRL's loop passes over without a word: calls that do not parse or
@@ -398,8 +517,7 @@ class MultiTurnRollouts:
             episode.tool_calls += len(calls)
             content = message.get("content") or ""
             if not calls and self.marker and self.marker in content:
-                episode.errors.append(MalformedToolCallError(
-                    f"the model's tool call did not parse: {content[:200]!r}"))  # fmt: skip
+                episode.errors.append(self._unparsed_call(episode, k == len(messages) - 1, content))
             for call in calls:
                 function = call.get("function") or {}
                 if call.get("type") != "function" or function.get("name") not in tools:
@@ -428,3 +546,17 @@ class MultiTurnRollouts:
                         "before it"))  # fmt: skip
                 else:
                     episode.loop_exhausted = True
+
+    def _unparsed_call(self, episode: Episode, last: bool, content: str) -> RolloutError:
+        """A tool call that does not parse: cut by the budget (`BudgetCutError`) when it is the conversation's last
+        turn and the completion, or the sequence, is at its bound; else malformed."""
+        used = len(episode.completion_ids)
+        context = self.host.model.config.max_position_embeddings
+        if last and (used >= self.max_completion_length or len(episode.prompt_ids) + used >= context):
+            return BudgetCutError(
+                f"the completion budget ran out in the middle of a tool call ({used} completion tokens, "
+                f"max_completion_length={self.max_completion_length}, context {context}): {content[-200:]!r}; "
+                f"on_budget_cut={self.spec.on_budget_cut!r} ('keep': trained as a truncated completion, "
+                "'rollout_error': follows on_rollout_error)"
+            )
+        return MalformedToolCallError(f"the model's tool call did not parse: {content[:200]!r}")

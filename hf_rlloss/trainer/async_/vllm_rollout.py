@@ -114,7 +114,7 @@ class _VLLMWorkerLoop(_WorkerLoop):
         print(f"VLLMRolloutWorker: vLLM {vllm.__version__} engine ready (max_model_len={context})", file=sys.stderr,
               flush=True)  # fmt: skip
 
-    def _sampling_params(self, n: int | None = None, seed: int | None = None) -> Any:
+    def _sampling_params(self, n: int | None = None, seed: int | None = None, max_tokens: int | None = None) -> Any:
         from vllm import SamplingParams
 
         g = self.s.generation_kwargs
@@ -126,7 +126,7 @@ class _VLLMWorkerLoop(_WorkerLoop):
             top_k=g.get("top_k") or 0,
             min_p=g.get("min_p") or 0.0,
             repetition_penalty=g.get("repetition_penalty") or 1.0,
-            max_tokens=g["max_new_tokens"],
+            max_tokens=g["max_new_tokens"] if max_tokens is None else max_tokens,
             stop_token_ids=list(set(self.eos_ids)),
             logprobs=0,
         )
@@ -142,10 +142,14 @@ class _VLLMWorkerLoop(_WorkerLoop):
         return completions, logprobs
 
     @torch.no_grad()
-    def _generate_ids(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate_ids(self, prompt_ids: list[list[int]], seed: int, budgets: list[int] | None = None
+                      ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
         """Multi-turn (`cpu_rollout._WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
-        sampled under seed `seed + i`."""
-        params = [self._sampling_params(n=1, seed=(seed + i) % 2**63) for i in range(len(prompt_ids))]
+        sampled under seed `seed + i`, of at most `budgets[i]` tokens (the completion budget its conversation has
+        left)."""
+        budgets = budgets or [None] * len(prompt_ids)
+        params = [self._sampling_params(n=1, seed=(seed + i) % 2**63, max_tokens=budgets[i])
+                  for i in range(len(prompt_ids))]  # fmt: skip
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         completions, logprobs = self._completions(outputs)
         if not self.s.record_logprobs:
