@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.shared.provenance import ROOT, provenance
 
 OUT = ROOT / "benchmarks" / "results" / "gradient_fidelity"
@@ -35,9 +37,9 @@ RECIPE = ["recipes/grpo_async.py", "--config", "recipes/smollm2_135m/arithmetic/
 # The registered design (docs/gradient_fidelity_preregistration.md). A cell is (checkpoint, lag); cells run in this
 # order, the primary first; each prompt's row is appended to the cell's results file as soon as it is measured.
 CHECKPOINTS = {"late": 40, "early": 16}
-CELLS = [("late", 8), ("early", 8), ("late", 1), ("late", 2), ("late", 4), ("late", 16), ("late", 0)]
+CELLS = [("late", 8), ("late", 0), ("early", 8), ("late", 4), ("late", 2), ("late", 1), ("late", 16)]
 LAG_SLOT = {0: 0, 1: 1, 2: 2, 4: 3, 8: 4, 16: 5}  # the seeds of a lag's stale groups (independent across lags)
-PROMPTS = {"late": 32, "early": 32}
+PROMPTS = {"late": 48, "early": 32}
 CONTROL_PROMPTS = 16  # lag 0 (the policy as its own behaviour), the control, on the first prompts only
 PROMPT_SEED = {"late": 1, "early": 2}  # the prompts of a checkpoint: arithmetic_dataset(P, seed, max_operand=20)
 PILOT = {"checkpoint": "early", "lag": 8, "prompts": 6, "seed": 99,
@@ -154,6 +156,155 @@ def run(threads: int, only: str | None) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# The registered analysis
+
+
+SECONDARY_LAGS = (1, 2, 4, 16)
+OTHER_CORRECTIONS = ("sampler_clip", "sequence_tis", "geometric_tis", "token_mis", "veto", "opsm", "m2po")
+
+
+def per_prompt_rows(cell: dict) -> list[dict]:
+    """A cell file's prompts in the form `fidelity_report` reads (one behaviour, labelled by the lag)."""
+    label = str(cell["cell"]["lag"])
+    rows = sorted(cell["prompts"], key=lambda row: row["prompt_index"])
+    return [{"floor": r["floor"], "terms": {label: r["terms"]}, "weights": {label: r["weights"]}} for r in rows]
+
+
+def cell_report(cell: dict, resamples: int = 4000) -> dict:
+    from hf_rlloss.recipe_support.gradient_fidelity import CORRECTIONS, fidelity_report
+
+    names = list(cell["prompts"][0]["terms"]) if cell["prompts"] else list(CORRECTIONS)
+    return fidelity_report(per_prompt_rows(cell), names, batch_groups=2, resamples=resamples)[str(cell["cell"]["lag"])]
+
+
+def squared_bias_differences(cell: dict, x: str, y: str) -> list[float]:
+    """Per prompt, ``(b_x − b_y) / n̄``: the difference of the squared biases relative to the mean on-policy norm."""
+    rows = sorted(cell["prompts"], key=lambda row: row["prompt_index"])
+    norm = sum(r["floor"]["n"] for r in rows) / len(rows)
+    return [(r["terms"][x]["b"] - r["terms"][y]["b"]) / norm for r in rows]
+
+
+def pilot_power(pilot_cell: dict, prompts: int) -> dict:
+    """The registration's sizing: the pilot's per-prompt differences C − B of the relative squared bias, and what a
+    paired t over `prompts` prompts detects with 80 % power at α 0.05 (also on the relative-bias scale, through the
+    pilot's B: ``Δr ≈ Δq / (2 r_B)``)."""
+    from benchmarks.shared import stats
+
+    diffs = squared_bias_differences(pilot_cell, "token_tis", "none")
+    sd = float(np.std(diffs, ddof=1))
+    mde = stats.min_detectable_difference(sd, prompts)
+    r_b = cell_report(pilot_cell, resamples=200)["estimators"]["none"]["relative_bias"]["value"]
+    return {"pilot_prompts": len(diffs), "mean_diff": float(np.mean(diffs)), "sd_diff": sd, "prompts": prompts,
+            "mde_squared": mde, "relative_bias_none": r_b, "mde_relative_bias": mde / (2 * r_b) if r_b else None,
+            "power_at_pilot_mean": stats.paired_t_power(abs(float(np.mean(diffs))), sd, prompts),
+            "seconds_per_prompt": float(np.mean([r["seconds"] for r in pilot_cell["prompts"]]))}  # fmt: skip
+
+
+def _test(report: dict, x: str, y: str, statistic: str = "relative_bias") -> dict:
+    entry = report["differences"][f"{x} - {y}"][statistic]
+    return {**entry, "rejects": not entry["ci_low"] <= 0 <= entry["ci_high"]}
+
+
+def analysis(cells: dict[tuple[str, int], dict], resamples: int = 4000) -> dict:
+    """The registered tests from the cell files: the primary (C − B relative bias, late checkpoint, lag 8: paired
+    bootstrap interval, with the paired t and sign test of the per-prompt squared-bias differences), the controls,
+    and the Holm-corrected secondary family; cells not (fully) measured are listed, never tested."""
+    from benchmarks.shared import stats
+
+    complete = {key: c for key, c in cells.items() if len(c["prompts"]) >= _planned(*key)}
+    reports = {key: cell_report(c, resamples) for key, c in cells.items() if len(c["prompts"]) >= 3}
+    out = {"cells": {f"{k}_lag{lag}": {"prompts": len(c["prompts"]), "planned": _planned(k, lag),
+                                       "report": reports.get((k, lag))} for (k, lag), c in cells.items()},
+           "incomplete": [f"{k}_lag{lag}" for k, lag in CELLS if (k, lag) not in complete]}  # fmt: skip
+    checkpoint, lag, c_name, b_name = PRIMARY
+    if (checkpoint, lag) in complete:
+        cell = complete[(checkpoint, lag)]
+        diffs = squared_bias_differences(cell, c_name, b_name)
+        out["primary"] = {
+            "bootstrap": _test(reports[(checkpoint, lag)], c_name, b_name),
+            "paired_t_squared": stats.paired_t(diffs, [0.0] * len(diffs)),
+            "sign_test_squared": stats.sign_test(diffs, [0.0] * len(diffs)),
+        }
+    secondary = {}
+    for k in SECONDARY_LAGS:
+        if ("late", k) in complete:
+            secondary[f"C - B, late, lag {k}"] = _test(reports[("late", k)], c_name, b_name)
+    if ("early", 8) in complete:
+        secondary["C - B, early, lag 8"] = _test(reports[("early", 8)], c_name, b_name)
+        if (checkpoint, lag) in complete:
+            secondary["(C - B) late - early, lag 8"] = _between_checkpoints(complete, resamples)
+    if (checkpoint, lag) in complete:
+        for name in OTHER_CORRECTIONS:
+            if name in reports[(checkpoint, lag)]["estimators"]:
+                secondary[f"{name} - B, late, lag 8"] = _test(reports[(checkpoint, lag)], name, b_name)
+        secondary["MSE at 16 samples, C - B, late, lag 8"] = _test(reports[(checkpoint, lag)], c_name, b_name,
+                                                                    "relative_mse")  # fmt: skip
+    adjusted = stats.holm([t["p"] for t in secondary.values()]) if secondary else []
+    for test, p in zip(secondary.values(), adjusted):
+        test["p_holm"], test["rejects_holm"] = p, p < 0.05
+    out["secondary"] = secondary
+    if ("late", 0) in reports:
+        report = reports[("late", 0)]
+        floor = report["estimators"]["noise_floor"]["relative_bias_sq"]
+        out["control_lag0"] = {name: {**e["relative_bias_sq"], "within_floor": e["relative_bias_sq"]["ci_low"] <=
+                                      floor["ci_high"] and floor["ci_low"] <= e["relative_bias_sq"]["ci_high"]}
+                               for name, e in report["estimators"].items()}  # fmt: skip
+    if (checkpoint, lag) in reports and "inverted_tis" in reports[(checkpoint, lag)]["estimators"]:
+        out["control_inverted"] = _test(reports[(checkpoint, lag)], "inverted_tis", b_name)
+    return out
+
+
+def _planned(checkpoint: str, lag: int) -> int:
+    return CONTROL_PROMPTS if lag == 0 else PROMPTS[checkpoint]
+
+
+def _between_checkpoints(cells: dict, resamples: int) -> dict:
+    """(r_C − r_B) on the late checkpoint minus that on the early one, at lag 8: independent prompts, so each
+    checkpoint's prompts are resampled on their own (bootstrap, 4000 resamples each, seeds 0 and 1)."""
+    from hf_rlloss.recipe_support.fidelity_stats import bootstrap_p
+
+    draws = []
+    for seed, key in enumerate((("late", 8), ("early", 8))):
+        rows = per_prompt_rows(cells[key])
+        rng = np.random.default_rng(seed)
+        values = []
+        for index in [np.arange(len(rows))] + [rng.integers(0, len(rows), len(rows)) for _ in range(resamples)]:
+            values.append(_delta_r([rows[i] for i in index], str(key[1])))
+        draws.append(np.array(values))
+    delta = draws[0] - draws[1]
+    low, high = np.nanpercentile(delta[1:], [2.5, 97.5])
+    return {"value": float(delta[0]), "ci_low": float(low), "ci_high": float(high), "p": bootstrap_p(delta[1:]),
+            "rejects": not low <= 0 <= high}  # fmt: skip
+
+
+def _delta_r(rows: list[dict], label: str) -> float:
+    n = np.mean([r["floor"]["n"] for r in rows])
+    if n <= 0:
+        return float("nan")
+    r = {name: np.sqrt(max(np.mean([row["terms"][label][name]["b"] for row in rows]), 0.0) / n)
+         for name in ("token_tis", "none")}  # fmt: skip
+    return float(r["token_tis"] - r["none"])
+
+
+def load_cells(out: Path = OUT) -> dict[tuple[str, int], dict]:
+    cells = {}
+    for checkpoint, lag in CELLS:
+        path = cell_file(checkpoint, lag, out)
+        if path.exists():
+            cells[(checkpoint, lag)] = json.loads(path.read_text())
+    return cells
+
+
+def analyze(resamples: int) -> int:
+    pilot_cell = json.loads((OUT / "pilot.json").read_text())
+    result = {"meta": provenance(), "pilot_power": pilot_power(pilot_cell, PROMPTS["late"]),
+              **analysis(load_cells(), resamples)}  # fmt: skip
+    (OUT / "analysis.json").write_text(json.dumps(result, indent=1, default=float))
+    print(json.dumps({k: result[k] for k in ("incomplete", "primary") if k in result}, indent=1, default=float))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,7 +327,7 @@ def main() -> int:
         return pilot(args.threads)
     if args.command == "run":
         return run(args.threads, args.only)
-    raise SystemExit("analyze: registered in docs/gradient_fidelity_preregistration.md; written with the results")
+    return analyze(args.resamples)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ TRAIN_SIZE = 512
 PRIMARY_SEEDS = tuple(range(12))
 SECONDARY_SEEDS = tuple(range(6))
 PRIMARY_LAG = 8
+# The lag-4 replication (docs/gradient_fidelity_preregistration.md): arms B and C at lag 4 on new seeds
+REPLICATION_SEEDS = tuple(range(12, 36))
+REPLICATION_LAG = 4
 EVAL_CHUNK = 64
 # an exception that means the run diverged (non-finite loss, gradients or sampling probabilities), not a crash
 DIVERGED = re.compile(r"non-?finite|\bnan\b|\binf\b", re.IGNORECASE)
@@ -108,7 +111,9 @@ def plan_cells(plan: str) -> list[Cell]:
         cells += [Cell(s, PRIMARY_LAG, arm, LR_SECOND) for s in SECONDARY_SEEDS for arm in ("B", "C")]
         cells += [Cell(s, lag, arm, LR) for lag in (2, 4) for s in SECONDARY_SEEDS for arm in ("B", "C")]
         return cells
-    raise ValueError(f"unknown plan {plan!r}: primary or robustness")
+    if plan == "replication":
+        return [Cell(s, REPLICATION_LAG, arm, LR) for s in REPLICATION_SEEDS for arm in ("B", "C")]
+    raise ValueError(f"unknown plan {plan!r}: primary, robustness or replication")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -591,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="the cells of a pre-registered plan, one subprocess each")
-    p_run.add_argument("--plan", choices=("primary", "robustness"), required=True)
+    p_run.add_argument("--plan", choices=("primary", "robustness", "replication"), required=True)
     p_run.add_argument("--jobs", type=int, default=2, help="cells side by side (one thread each)")
     p_run.add_argument("--dry-run", action="store_true", help="list the cells still to run")
     p_cell = sub.add_parser("cell", help="one run in this process")

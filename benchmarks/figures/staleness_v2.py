@@ -109,3 +109,17 @@ def cells(r) -> str:
             f"| {d['reward_auc']:.3f} | {d['zero_loss_frac']:.2f} |"
         )
     return "\n".join(rows)
+
+
+@figure("staleness_v2.primary_support")
+def primary_support(r) -> str:
+    """The primary comparison's registered supporting statistics: the sign test, the bootstrap interval and the
+    pooled McNemar test with its interval."""
+    p = _data(r)["primary"]
+    sign, boot, mc = p["sign_test"], p["bootstrap_ci"], p["mcnemar_pooled"]
+    return (
+        f"C above B in {sign['plus']} seeds, below in {sign['minus']} (exact sign test p = {sign['p']:.2f}); "
+        f"percentile bootstrap interval of the mean difference {boot[0]:+.3f} to {boot[1]:+.3f}; pooled McNemar over "
+        f"{mc['n']} (seed, item) pairs: difference {mc['diff']:+.3f} (95 % CI {mc['ci'][0]:+.3f} to "
+        f"{mc['ci'][1]:+.3f}), p = {mc['p']:.1e}"
+    )
