@@ -7,12 +7,14 @@ turn's calls as soon as the first of them is made, and TRL's loop then collects 
   started once (from a fork server, so a replacement starts in milliseconds) and reused. A call that does not return
   within `tool_timeout_s` is a `ToolTimeoutError`, and its process is killed and replaced: a hung tool leaves no
   thread, no memory and no process behind. What a tool keeps in module state therefore lives in its process;
-  `tool_processes=0` runs the tools in threads of the rollout process instead;
+  `tool_processes=0` runs the tools in threads of the rollout process instead, and a tool defined in the script that
+  was run (`__main__`) always runs in one (`in_main_module`). A tool process dies with the rollout process (Linux);
 * an **environment's method** runs in a thread of the rollout process (the environment's state lives there: the
   reward functions and `get_reward` read it), its calls one after another in the order the model wrote them. A
   thread whose call timed out cannot be stopped: the environment's later calls are refused (`ToolTimeoutError`)
-  while it runs, and when more than `max_hung_tool_threads` such threads are alive the worker stops with
-  `HungToolCallsError`, instead of piling up threads for ever.
+  while it runs (`MultiTurnRollouts` replaces it by a new one after the batch), and when `max_hung_tool_threads` such
+  threads are alive the next thread to start stops the worker with `HungToolCallsError`, instead of piling up
+  threads for ever.
 
 Every call that ends (returned, raised or timed out) ticks the worker's heartbeat: hung tools are slow progress, not a
 stalled worker.
@@ -150,6 +152,18 @@ class ToolRunner:
         processes (`int`): tool processes (concurrent tool calls); `0`: tools run in threads.
         max_hung_threads (`int`): threads of calls that timed out and still run, beyond which `HungToolCallsError`.
         tick (`Callable`, *optional*): called whenever a call ends (the worker's heartbeat).
+
+    Example:
+
+    ```python
+    >>> from hf_rlloss.recipe_support.tools import TOOLS
+    >>> from hf_rlloss.trainer.async_.tool_calls import ToolRunner, preload
+    >>> preload([TOOLS["add"]])  # imported once, in the fork server
+    >>> runner = ToolRunner(timeout_s=30.0, processes=1, max_hung_threads=4, tick=None)
+    >>> runner.result(runner.submit(TOOLS["add"], {"a": 2, "b": 3}))
+    ('ok', 5)
+    >>> runner.close()
+    ```
     """
 
     def __init__(self, timeout_s: float, processes: int, max_hung_threads: int, tick: Callable[[], None] | None):
