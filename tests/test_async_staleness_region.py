@@ -1,4 +1,4 @@
-"""The admissible region of the asynchronous trainer's staleness rule (`cpu_rollout.least_trained_lag`): a
+"""The admissible region of the asynchronous trainer's staleness rule (`staleness.least_trained_lag`): a
 configuration is accepted at construction exactly when samples can still be fresh enough to train.
 
 Three checks of the one formula (`weight_lag + ceil(num_mini_batches / weight_sync_steps) <= max_staleness`):
@@ -28,7 +28,8 @@ from _async import ASYNC_ARGS, NoWeightTransfer, fixed_samples, prompts_dataset
 from _trainer_utils import make_dataset, reward_length
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, check_weight_lag, least_trained_lag
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+from hf_rlloss.trainer.async_.staleness import check_weight_lag, least_trained_lag
 from hf_rlloss.trainer.async_grpo_trainer import NoTrainableSamplesError, portable_async_trl
 
 torch.set_num_threads(1)
