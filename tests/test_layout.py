@@ -184,7 +184,8 @@ def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path):
     module = PACKAGE / "loss" / "_probe_for_layout_test.py"  # must sit in the package to resolve `..`
     try:
         module.write_text("from ..recipe_support.tools import f\nfrom .. import trainer\nimport hf_rlloss.parallel\n")
-        assert {"hf_rlloss.recipe_support.tools", "hf_rlloss.trainer", "hf_rlloss.parallel"} <= _imported_modules(module)
+        expected = {"hf_rlloss.recipe_support.tools", "hf_rlloss.trainer", "hf_rlloss.parallel"}
+        assert expected <= _imported_modules(module)
         module.write_text("import torch\nfrom .kl import k\n\ndef f():\n    from ..trainer import T\n")
         assert "hf_rlloss.trainer" in _imported_modules(module)
         assert _imported_modules(module, module_level=True) == {"torch", "hf_rlloss.loss.kl", "hf_rlloss.loss.kl.k"}

@@ -7,7 +7,7 @@
 - `callbacks`: the metrics JSON-lines log, the training-curves plot and the end-of-run summary line.
 
 The loss layer (config, context, policy losses, KL, rollout IS, metrics, sequence parallelism) and the trainer never
-import this package (the model card is the trainer's: `hf_rlloss.trainer.common.model_card`). Each module is imported by its own path
-(``from hf_rlloss.recipe_support.rewards import get_reward_funcs``), so that importing one does not pull in the
-others' dependencies (matplotlib, gguf, datasets).
+import this package (the model card is the trainer's: `hf_rlloss.trainer.common.model_card`). Each module is
+imported by its own path (``from hf_rlloss.recipe_support.rewards import get_reward_funcs``), so that importing one
+does not pull in the others' dependencies (matplotlib, gguf, datasets).
 """
