@@ -53,7 +53,7 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
-from .tool_calls import HungToolCallsError, ToolRunner, in_main_module, preload
+from .tool_calls import HungToolCallsError, ToolRunner, in_main_module
 
 __all__ = [
     "ON_ROLLOUT_ERROR",
@@ -347,9 +347,8 @@ class MultiTurnRollouts:
     def __init__(self, spec: AgentSpec, tokenizer: Any, chat_template_kwargs: dict[str, Any],
                  max_completion_length: int, max_model_len: int, tick: Callable[[], None] | None = None):  # fmt: skip
         self.spec, self.tok = spec, tokenizer
-        if spec.tool_processes and spec.tools:
-            preload(spec.tools)
-        self.runner = ToolRunner(spec.tool_timeout_s, spec.tool_processes, spec.max_hung_tool_threads, tick)
+        self.runner = ToolRunner(spec.tool_timeout_s, spec.tool_processes, spec.max_hung_tool_threads, tick,
+                                 preload=spec.tools)  # fmt: skip
         self.multi_environment = isinstance(spec.environment_factory, dict)
         if spec.environment_factory is None:
             self.factories = None

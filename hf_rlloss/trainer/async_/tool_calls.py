@@ -152,22 +152,25 @@ class ToolRunner:
         processes (`int`): tool processes (concurrent tool calls); `0`: tools run in threads.
         max_hung_threads (`int`): threads of calls that timed out and still run, beyond which `HungToolCallsError`.
         tick (`Callable`, *optional*): called whenever a call ends (the worker's heartbeat).
+        preload (`list[Callable]`, *optional*): tools whose modules the fork server imports once, when the first
+            tool process starts (`preload`).
 
     Example:
 
     ```python
     >>> from hf_rlloss.recipe_support.tools import TOOLS
-    >>> from hf_rlloss.trainer.async_.tool_calls import ToolRunner, preload
-    >>> preload([TOOLS["add"]])  # imported once, in the fork server
-    >>> runner = ToolRunner(timeout_s=30.0, processes=1, max_hung_threads=4, tick=None)
+    >>> from hf_rlloss.trainer.async_.tool_calls import ToolRunner
+    >>> runner = ToolRunner(timeout_s=30.0, processes=1, max_hung_threads=4, tick=None, preload=[TOOLS["add"]])
     >>> runner.result(runner.submit(TOOLS["add"], {"a": 2, "b": 3}))
     ('ok', 5)
     >>> runner.close()
     ```
     """
 
-    def __init__(self, timeout_s: float, processes: int, max_hung_threads: int, tick: Callable[[], None] | None):
+    def __init__(self, timeout_s: float, processes: int, max_hung_threads: int, tick: Callable[[], None] | None,
+                 preload: list[Callable] = ()):  # fmt: skip
         self.timeout_s, self.processes, self.max_hung_threads = timeout_s, processes, max_hung_threads
+        self.preload = list(preload)
         self.tick = tick or (lambda: None)
         self.pending: deque[_Call] = deque()
         self.running: list[_Call] = []
@@ -306,6 +309,7 @@ class ToolRunner:
         if len(self.slots) >= self.processes:
             return None
         if self._ctx is None:
+            preload(self.preload)  # before the fork server starts: its modules are imported there once
             self._ctx = multiprocessing.get_context("forkserver")
         self.slots.append(_Slot(self._ctx))
         return self.slots[-1]
