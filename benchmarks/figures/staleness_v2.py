@@ -123,3 +123,18 @@ def primary_support(r) -> str:
         f"{mc['n']} (seed, item) pairs: difference {mc['diff']:+.3f} (95 % CI {mc['ci'][0]:+.3f} to "
         f"{mc['ci'][1]:+.3f}), p = {mc['p']:.1e}"
     )
+
+
+@figure("staleness_v2.realized_power")
+def realized_power(r) -> str:
+    """What the primary test could detect, given the spread of the per-seed differences it measured."""
+    from benchmarks.shared import stats
+
+    t = _data(r)["primary"]["paired_t"]
+    detectable = stats.min_detectable_difference(t["sd_diff"], t["n"])
+    power = stats.paired_t_power(abs(t["mean_diff"]), t["sd_diff"], t["n"])
+    return (
+        f"the per-seed differences had a standard deviation of {t['sd_diff']:.2f}; with {t['n']} seeds the test "
+        f"detects a difference of {detectable:.2f} with 80 % power, and its power at the observed mean difference "
+        f"({t['mean_diff']:+.3f}) was {power:.2f}"
+    )
