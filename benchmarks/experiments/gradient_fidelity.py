@@ -2,6 +2,7 @@
 correction's gradient against the on-policy gradient, on checkpoints of a real async demo run (SmolLM2-135M).
 
     python -m benchmarks.experiments.gradient_fidelity trajectory  # the async demo run, every step's weights saved
+    python -m benchmarks.experiments.gradient_fidelity record-trajectory  # its rewards and checkpoints' SHA-256
     python -m benchmarks.experiments.gradient_fidelity pilot       # the pilot the registration is sized from
     python -m benchmarks.experiments.gradient_fidelity run         # the registered cells, resumable, prompt by prompt
     python -m benchmarks.experiments.gradient_fidelity analyze     # the registered tests: analysis.json, the plot
@@ -67,6 +68,62 @@ def trajectory() -> int:
     return subprocess.call(command, cwd=ROOT)
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _steps_used() -> list[int]:
+    return sorted({CHECKPOINTS[c] - lag for c, lag in CELLS} | set(CHECKPOINTS.values()) - {0})
+
+
+def record_trajectory() -> int:
+    """`trajectory.json`: the run's per-step reward and lag (from its `metrics.jsonl`) and the SHA-256 of every
+    checkpoint the cells read, so that a resumed run can check it reads the same trajectory."""
+    rows = [json.loads(line) for line in (TRAJECTORY / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "rewards/accuracy_reward" in r]
+    record = {
+        "meta": {
+            **provenance(),
+            "trajectory_command": " ".join(
+                [
+                    "accelerate launch --config_file",
+                    "accelerate_configs/single_process.yaml",
+                    *RECIPE,
+                    "--output_dir",
+                    str(TRAJECTORY.relative_to(ROOT)),
+                    "--save_strategy steps --save_steps 1 --save_only_model true",
+                ]
+            ),
+        },  # fmt: skip
+        "reward": [r["rewards/accuracy_reward"] for r in steps],
+        "staleness_mean": [r.get("sample/staleness_mean") for r in steps],
+        "checkpoints_sha256": {
+            str(k): _sha256(TRAJECTORY / f"checkpoint-{k}" / "model.safetensors") for k in _steps_used()
+        },
+    }
+    (OUT / "trajectory.json").write_text(json.dumps(record, indent=1))
+    print(f"wrote {OUT / 'trajectory.json'}")
+    return 0
+
+
+def check_trajectory(steps: list[int]) -> None:
+    """Refuse to add prompts to a cell from another trajectory than the one `trajectory.json` records (a new run of
+    the asynchronous demo is not the same run: its lags depend on timing)."""
+    recorded = json.loads((OUT / "trajectory.json").read_text())["checkpoints_sha256"]
+    for step in steps:
+        if step and _sha256(TRAJECTORY / f"checkpoint-{step}" / "model.safetensors") != recorded[str(step)]:
+            raise SystemExit(
+                f"checkpoint-{step} under {TRAJECTORY} is not the one trajectory.json records: the cells' prompts so "
+                "far come from another run; continuing would mix trajectories (report it as a departure)"
+            )
+
+
 def _model(step: int):
     import torch
     from transformers import AutoModelForCausalLM
@@ -116,6 +173,8 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
     todo = [i for i in range(count) if i not in done]
     if not todo:
         return
+    if path.parent == OUT and path.name != "pilot.json":
+        check_trajectory([step, step - lag])
     fidelity, rows = _fidelity(step, threads, corrections), _rows(count, seed)
     behavior = fidelity.policy if lag == 0 else _model(step - lag)
     RAW.mkdir(parents=True, exist_ok=True)
@@ -309,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("trajectory", help="the async demo run with every step's weights saved")
+    sub.add_parser("record-trajectory", help="trajectory.json: the run's rewards and its checkpoints' SHA-256")
     for name in ("pilot", "run"):
         p = sub.add_parser(name)
         p.add_argument("--threads", type=int, default=2)
@@ -323,6 +383,8 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.command == "trajectory":
         return trajectory()
+    if args.command == "record-trajectory":
+        return record_trajectory()
     if args.command == "pilot":
         return pilot(args.threads)
     if args.command == "run":
