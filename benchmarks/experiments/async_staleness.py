@@ -340,7 +340,6 @@ def report(tag: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     runs = _load(tag)
     lags = sorted({k[0] for k in runs})
@@ -376,6 +375,17 @@ def report(tag: str) -> None:
                 f"{_mean_sd(d_auc) if d_auc else '–'} | {_mean_sd(d_held, 'not measured') if d_held else '–'} |"
             )
     _drift_by_lag(runs)
+    fig = reward_curves(runs, lags)
+    path = ROOT / "docs" / "async_staleness.png"
+    fig.savefig(path, dpi=90)
+    print(f"\nplot: {path.relative_to(ROOT)}")
+
+
+def reward_curves(runs: dict, lags: list[int]):
+    """The reward per step of each arm, mean over seeds (5-step moving mean), one panel per lag: the page's
+    `docs/async_staleness.png` (drawn by `benchmarks/figures/plots.py` from the run files) and `report`'s plot."""
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.6), squeeze=False, sharey=True)
     colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
     for ax, lag in zip(axes[0], lags):
@@ -393,9 +403,7 @@ def report(tag: str) -> None:
     axes[0][0].set_ylabel("reward (mean over seeds, 5-step moving mean)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path = ROOT / "docs" / "async_staleness.png"
-    fig.savefig(path, dpi=90)
-    print(f"\nplot: {path.relative_to(ROOT)}")
+    return fig
 
 
 # The package modules (and recipes) this benchmark measures: its results are stale once they change.

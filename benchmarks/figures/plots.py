@@ -76,28 +76,10 @@ def staleness_v2(r):
 @plot("docs/async_staleness.png")
 def async_staleness(r):
     """Reward per step, the mean over the seeds with a 5-step moving mean, by arm and lag (the exploratory runs)."""
-    import matplotlib.pyplot as plt
 
-    from benchmarks.experiments.async_staleness import ARM_NAMES, ARMS, _load
+    from benchmarks.experiments.async_staleness import _load, reward_curves
 
     r("async_staleness/smollm2/meta.json")  # the run files' provenance
     runs = _load("smollm2")
     lags = sorted({k[0] for k in runs})
-    fig, axes = plt.subplots(1, len(lags), figsize=(4.2 * len(lags), 3.6), squeeze=False, sharey=True)
-    colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
-    for ax, lag in zip(axes[0], lags):
-        for arm in ARMS:
-            curves = [rows for (lg, _, a), (rows, _) in runs.items() if lg == lag and a == arm]
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            mean = [sum(c[t]["reward"] for c in curves) / len(curves) for t in range(n)]
-            smooth = [sum(mean[max(0, t - 4) : t + 1]) / len(mean[max(0, t - 4) : t + 1]) for t in range(n)]
-            ax.plot(range(1, n + 1), smooth, color=colors[arm], label=f"{ARM_NAMES[arm]} ({len(curves)} seeds)")
-        ax.set_title(f"sampler lag {lag}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("reward (mean over seeds, 5-step moving mean)")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return reward_curves(runs, lags)
