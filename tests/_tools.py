@@ -92,6 +92,11 @@ def dataset() -> Dataset:
     )
 
 
+def product_rows(pairs) -> list[dict]:
+    """Chat rows asking for `a` times `b`, with their `product` column."""
+    return [{"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "product": a * b} for a, b in pairs]
+
+
 def reward_correct(completions, product, **kwargs):
     """1 for the right product in the last message, minus a little per character (so rewards differ)."""
     return [

@@ -20,7 +20,7 @@ import torch
 import yaml
 from _async import ASYNC_ARGS, PARITY_RL_LOSS
 from _tool_functions import hang, multiply
-from _tools import PAIRS, ScriptedToolRollout, reward_correct, tool_model, tool_tokenizer
+from _tools import PAIRS, ScriptedToolRollout, product_rows, reward_correct
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig
 from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, NoRolloutSamplesError, _WorkerLoop
@@ -31,21 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(max_tool_calling_iterations=2, max_completion_length=160, gradient_accumulation_steps=1)
 
 
-@pytest.fixture(scope="module")
-def tool_tok():
-    return tool_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tool_policy(tmp_path_factory, tool_tok):
-    path = tmp_path_factory.mktemp("tool_policy")
-    tool_model(tool_tok).save_pretrained(path)
-    tool_tok.save_pretrained(path)
-    return str(path)
-
-
-def rows(pairs) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "product": a * b} for a, b in pairs]
+rows = product_rows  # chat rows with their product column
 
 
 def make_worker(policy, tok, tmp_path, pairs=PAIRS[:1], **options) -> HFGenerateRolloutWorker:

@@ -29,9 +29,9 @@ from _tools import (
     ScriptedToolRollout,
     ScriptedWorkerLoop,
     multiply,
+    product_rows,
     reward_correct,
     tool_model,
-    tool_tokenizer,
 )
 from _trainer_utils import BASE_ARGS, trainable_snapshot
 from datasets import Dataset
@@ -69,24 +69,10 @@ OPTIONS = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def tool_tok():
-    return tool_tokenizer()
+rows = product_rows  # chat rows with their product column
 
 
-@pytest.fixture(scope="module")
-def tool_policy(tmp_path_factory, tool_tok):
-    path = tmp_path_factory.mktemp("tool_policy")
-    tool_model(tool_tok).save_pretrained(path)
-    tool_tok.save_pretrained(path)
-    return str(path)
-
-
-def rows(pairs) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "product": a * b} for a, b in pairs]
-
-
-def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> _WorkerLoop:
+def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> HFGenerateLoop:
     """The worker's loop in this process, its policy loaded, version 1, generating with `script` (default: the
     scripted tool rollout with log-probs)."""
     worker = HFGenerateRolloutWorker(policy, dataset or rows(PAIRS), [reward_correct], tok, args, **options)
