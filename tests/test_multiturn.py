@@ -72,7 +72,7 @@ OPTIONS = dict(
 rows = product_rows  # chat rows with their product column
 
 
-def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> HFGenerateLoop:
+def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> _WorkerLoop:
     """The worker's loop in this process, its policy loaded, version 1, generating with `script` (default: the
     scripted tool rollout with log-probs)."""
     worker = HFGenerateRolloutWorker(policy, dataset or rows(PAIRS), [reward_correct], tok, args, **options)
