@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.chat_template_utils import qwen3_template
 
-from hf_rlloss.trainer.async_.cpu_rollout import _WorkerLoop
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop
 
 PAIRS = [(3, 4), (6, 7), (2, 9), (5, 8)]
 # Qwen's turn markers and tool blocks, without Qwen3's long tool-use system prompt
@@ -137,7 +137,7 @@ class ScriptedToolRollout:
         return completions, [[-5.56 + 0.25 * math.sin(t + 3 * k) for k, t in enumerate(c)] for c in completions]
 
 
-class ScriptedWorkerLoop(_WorkerLoop):
+class ScriptedWorkerLoop(HFGenerateLoop):
     """The CPU rollout worker's loop with `ScriptedToolRollout` (with log-probs) as its sampler; set as the worker's
     `_settings.loop_class`, it runs in the spawned process."""
 

@@ -357,12 +357,12 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
     from _trainer_utils import make_dataset, reward_length
     from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.8, top_k=5, top_p=0.9,
                                  rollout_logprobs_support=support, **ASYNC_ARGS)  # fmt: skip
     worker = HFGenerateRolloutWorker(policy, make_dataset(), [reward_length], tok, args, groups_per_batch=2)
-    loop = _WorkerLoop(worker._settings, None, worker.metrics_queue, None, None, types.SimpleNamespace(value=0.0))
+    loop = HFGenerateLoop(worker._settings, None, worker.metrics_queue, None, None, types.SimpleNamespace(value=0.0))
     loop.load()
     loop.version = 3
     torch.manual_seed(0)
@@ -390,11 +390,11 @@ def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(polic
     the trainer, which waits for samples), later ones when two newer versions have arrived."""
     import types
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)
-    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
+    loop = HFGenerateLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
     loop.load()
     state = {k: v.clone() for k, v in loop.model.state_dict().items()}
     seen = []
@@ -559,9 +559,9 @@ def _trainer_with_a_worker(report) -> None:
     import multiprocessing
     import os
 
-    from hf_rlloss.trainer.async_.cpu_rollout import _exit_with_parent
+    from hf_rlloss.trainer.async_.process import exit_with_parent
 
-    worker = multiprocessing.get_context("fork").Process(target=_exit_with_parent, args=(os.getpid(), 0.1))
+    worker = multiprocessing.get_context("fork").Process(target=exit_with_parent, args=(os.getpid(), 0.1))
     worker.start()
     report.send(worker.pid)
     time.sleep(120)
@@ -607,12 +607,12 @@ def test_latest_weights_keep_the_newest_version_and_no_descriptors_pile_up(polic
     import os
     import types
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)
     transfer = QueueWeightTransfer(worker)
-    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
+    loop = HFGenerateLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
     loop.load()
     base = {k: v.clone() for k, v in loop.model.state_dict().items()}
 

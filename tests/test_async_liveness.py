@@ -20,7 +20,7 @@ from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import TrainerCallback
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
 from hf_rlloss.trainer.async_grpo_trainer import NoTrainableSamplesError, portable_async_trl
 
 torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def test_cpu_worker_trains_up_to_the_first_eos_as_trl_masks(policy, tok, tmp_pat
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), allow_uncorrected_staleness=True, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(1), [], tok, args, record_logprobs=False)
-    loop = _WorkerLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
+    loop = HFGenerateLoop(worker._settings, None, None, worker.weights, None, types.SimpleNamespace(value=0.0))
     loop.load()
     loop.metrics_queue = types.SimpleNamespace(put_nowait=lambda item: None)
     pad, eos, a, b = tok.pad_token_id, tok.eos_token_id, 40, 41

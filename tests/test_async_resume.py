@@ -23,12 +23,8 @@ from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import AutoModelForCausalLM
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import (
-    HFGenerateRolloutWorker,
-    QueueWeightTransfer,
-    _worker_main,
-    version_for_batch,
-)
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, version_for_batch
+from hf_rlloss.trainer.async_.worker import worker_main
 
 torch.set_num_threads(1)
 
@@ -57,7 +53,7 @@ class ThreadedWorker(HFGenerateRolloutWorker):
             while not asked.wait(0.1):
                 if self._stop.is_set():
                     return
-            _worker_main(*args)
+            worker_main(*args)
 
         self.rollout_buffer.get = recording_get
         self._heartbeat.value = time.time()

@@ -23,7 +23,7 @@ from _tool_functions import hang, multiply
 from _tools import PAIRS, ScriptedToolRollout, product_rows, reward_correct
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, NoRolloutSamplesError, _WorkerLoop
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker, NoRolloutSamplesError
 from hf_rlloss.trainer.async_.multiturn import BudgetCutError, HungToolCallsError
 
 torch.set_num_threads(1)
@@ -40,9 +40,9 @@ def make_worker(policy, tok, tmp_path, pairs=PAIRS[:1], **options) -> HFGenerate
     return HFGenerateRolloutWorker(policy, rows(pairs), [reward_correct], tok, args, **options)
 
 
-def worker_loop(worker, script, heartbeat=None) -> _WorkerLoop:
+def worker_loop(worker, script, heartbeat=None) -> HFGenerateLoop:
     """`worker`'s loop in this process, its policy loaded, version 1, generating with `script`."""
-    loop = _WorkerLoop(worker._settings, None, queue.Queue(), None, None, heartbeat)
+    loop = HFGenerateLoop(worker._settings, None, queue.Queue(), None, None, heartbeat)
     loop.load()
     loop.version = 1
     loop._generate_ids = lambda prompt_ids, seed, budgets=None: script(prompt_ids, budgets)
@@ -254,7 +254,7 @@ def test_the_worker_samples_at_most_the_largest_budget(tool_policy, tool_tok, tm
     """The HF-generate sampler is asked for the largest of a turn's budgets (each conversation is then cut to its
     own by TRL's loop)."""
     worker = make_worker(tool_policy, tool_tok, tmp_path, tools=[multiply])
-    loop = _WorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+    loop = HFGenerateLoop(worker._settings, None, queue.Queue(), None, None, None)
     loop.load()
     asked = []
     generate = loop.model.generate

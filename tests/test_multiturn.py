@@ -39,10 +39,10 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer, RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.trainer.async_.cpu_rollout import (
+    HFGenerateLoop,
     HFGenerateRolloutWorker,
     QueueWeightTransfer,
     RolloutWorkerDiedError,
-    _WorkerLoop,
 )
 from hf_rlloss.trainer.async_.multiturn import (
     ContextOverflowError,
@@ -72,11 +72,11 @@ OPTIONS = dict(
 rows = product_rows  # chat rows with their product column
 
 
-def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> _WorkerLoop:
+def worker_loop(policy, tok, args, script=None, dataset=None, **options) -> HFGenerateLoop:
     """The worker's loop in this process, its policy loaded, version 1, generating with `script` (default: the
     scripted tool rollout with log-probs)."""
     worker = HFGenerateRolloutWorker(policy, dataset or rows(PAIRS), [reward_correct], tok, args, **options)
-    loop = _WorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+    loop = HFGenerateLoop(worker._settings, None, queue.Queue(), None, None, None)
     loop.load()
     loop.version = 1
     script = script or ScriptedToolRollout(loop.s.tokenizer, logprobs=True)

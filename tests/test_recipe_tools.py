@@ -126,6 +126,8 @@ class ScriptedCalculator(torch.nn.Module):
     """A model whose `generate` calls `add` on the question's operands, then answers with the tool's result, except
     for the questions in `wrong` (answered with the result + 1)."""
 
+    device = torch.device("cpu")  # as a transformers model's
+
     def __init__(self, tok, wrong: set[int]):
         super().__init__()
         self.tok, self.wrong = tok, wrong

@@ -16,7 +16,7 @@ from _trainer_utils import make_dataset, make_tokenizer, reward_length
 from trl.experimental.async_grpo.packing import TreeRow
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
 from hf_rlloss.trainer.async_.routing import tree_routes
 from hf_rlloss.trainer.async_grpo_trainer import portable_async_trl
 from hf_rlloss.trainer.common.packing import tree_positions
@@ -45,7 +45,7 @@ def _worker_samples(moe_path, tok, tmp_path, dtype: str):
     worker = HFGenerateRolloutWorker(moe_path, make_dataset(), [reward_length], tok, args, groups_per_batch=2)
     assert worker.records_routes
     worker._settings.dtype = dtype
-    loop = _WorkerLoop(worker._settings, None, worker.metrics_queue, None, None, types.SimpleNamespace(value=0.0))
+    loop = HFGenerateLoop(worker._settings, None, worker.metrics_queue, None, None, types.SimpleNamespace(value=0.0))
     loop.load()
     loop.version = 0
     torch.manual_seed(0)

@@ -274,7 +274,7 @@ def test_cpu_rollout_worker_shares_prompts(tmp_path):
     from _trainer_utils import make_dataset, make_tokenizer, reward_length
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, _WorkerLoop
+    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     policy, tok = save_tiny_policy(tmp_path / "policy"), make_tokenizer()
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS, top_k=20)
@@ -282,7 +282,7 @@ def test_cpu_rollout_worker_shares_prompts(tmp_path):
     for share in (False, True):
         worker = HFGenerateRolloutWorker(policy, make_dataset(4), [reward_length], tok, args,
                                          shared_prompt_generation=share)  # fmt: skip
-        loop = _WorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+        loop = HFGenerateLoop(worker._settings, None, queue.Queue(), None, None, None)
         loop.load()
         loop.version = 1
         shapes = []

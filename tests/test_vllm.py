@@ -299,9 +299,9 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
         output_dir=str(tmp_path), top_k=5, rollout_logprobs_support="sampled", **ASYNC_ARGS
     )
     worker = VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled)
-    assert worker._settings.loop_class.__name__ == "_VLLMWorkerLoop"  # what the spawned process runs
-    assert worker._settings.vllm["kv_cache_gib"] == 1  # the default, written as vLLM reads it: "1", not "1.0"
-    assert VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled, kv_cache_gib=2.0)._settings.vllm[
+    assert worker._settings.loop_class.__name__ == "VLLMWorkerLoop"  # what the spawned process runs
+    assert worker._settings.backend["kv_cache_gib"] == 1  # the default, written as vLLM reads it: "1", not "1.0"
+    assert VLLMRolloutWorker("unused-path", make_dataset(), [], tok, sampled, kv_cache_gib=2.0)._settings.backend[
         "kv_cache_gib"
     ] == 2  # fmt: skip
     with pytest.raises(ValueError, match=r"kv_cache_gib=1.5: a whole number of GiB >= 1"):

@@ -190,10 +190,10 @@ def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_rlloss.trainer.async_.channel import LatestWeights
-    from hf_rlloss.trainer.async_.vllm_rollout import _VLLMWorkerLoop
+    from hf_rlloss.trainer.async_.vllm_rollout import VLLMWorkerLoop
 
     weights = LatestWeights(multiprocessing.get_context("spawn"))
-    loop = _VLLMWorkerLoop(worker._settings, None, None, weights, None, SimpleNamespace(value=0.0))
+    loop = VLLMWorkerLoop(worker._settings, None, None, weights, None, SimpleNamespace(value=0.0))
     loop.load()
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok("Q03: add 3+3 = 6 and then 7", add_special_tokens=False)["input_ids"]
@@ -222,7 +222,7 @@ def run_multiturn(model_dir: str, out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker, _VLLMWorkerLoop
+    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker, VLLMWorkerLoop
 
     tok = tool_tokenizer()
     path = os.path.join(out_dir, "tool-policy")
@@ -236,7 +236,7 @@ def run_multiturn(model_dir: str, out_dir: str) -> dict:
     args = RLLossAsyncGRPOConfig(output_dir=out_dir, **options)
     rows = [{"prompt": [{"role": "user", "content": f"What is {a} times {b}?"}], "product": a * b} for a, b in PAIRS]
     worker = VLLMRolloutWorker(path, rows, [reward_correct], tok, args, tools=[multiply], max_model_len=512)
-    loop = _VLLMWorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
+    loop = VLLMWorkerLoop(worker._settings, None, queue.Queue(), None, None, None)
     loop.load()
     loop.version = 1
     engine, script, calls = loop._generate_ids, ScriptedToolRollout(loop.s.tokenizer, logprobs=True), []

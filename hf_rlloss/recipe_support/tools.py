@@ -24,6 +24,7 @@ from trl.chat_template_utils import qwen3_template, supports_tool_calling
 
 from hf_rlloss.recipe_support.rewards import accuracy_reward
 from hf_rlloss.trainer.async_.multiturn import AgentSpec, MultiTurnRollouts, prepare_tokenizer
+from hf_rlloss.trainer.common.sampling import generate_and_cut
 
 __all__ = [
     "CHATML_TOOL_TEMPLATE",
@@ -184,15 +185,9 @@ def evaluate_with_tools(
     sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature}
 
     def generate(prompt_ids: list[list[int]], call: int, budgets: list[int]) -> tuple[list, list]:
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompt_ids])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets), top_p=1.0,
-                             top_k=0, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **sampling)  # fmt: skip
-        completions = []
-        for row in out[:, width:].tolist():
-            cut = row.index(eos) + 1 if eos in row else len(row)
-            completions.append(row[:cut])
+        # one random stream over the evaluation (seeded once below): the calls do not fork the RNG
+        completions = generate_and_cut(model, prompt_ids, tokenizer.pad_token_id, [eos], fork_rng=False,
+                                       max_new_tokens=max(budgets), top_p=1.0, top_k=0, **sampling)  # fmt: skip
         return completions, [[math.nan] * len(c) for c in completions]
 
     model.eval()

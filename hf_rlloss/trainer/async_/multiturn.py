@@ -1,8 +1,8 @@
 """Multi-turn rollouts in the asynchronous trainer's rollout workers: TRL's `tools` and `environment_factory`.
 
 The conversation loop is TRL's own: the workers run `GRPOTrainer._tool_call_loop` (the synchronous trainer's loop,
-TRL 1.16) on a small host object whose `_generate_single_turn` is the worker's sampler. A multi-turn sample is
-therefore built exactly as `GRPOTrainer`, and so `RLLossGRPOTrainer`, builds it:
+TRL 1.16) on a `ToolLoopHost` (`async_/trl_tool_loop.py`) whose `_generate_single_turn` is the worker's sampler. A
+multi-turn sample is therefore built exactly as `GRPOTrainer`, and so `RLLossGRPOTrainer`, builds it:
 
 * the prompt is rendered with the tools' schemas (an environment's public methods are its tools) by the chat template,
   replaced by TRL's prefix-preserving training template when it is not prefix-preserving;
@@ -17,15 +17,17 @@ What the workers add to TRL's loop:
 * **One policy version per sample.** Every turn of a batch is sampled before the worker loads new weights (weights
   are loaded between batches only), so a sample's tokens all come from the version it is tagged with, and the rollout
   IS weight of each model token is taken against that policy.
-* **Named rollout errors** (`RolloutError`): a tool that raises (`ToolRaisedError`), a tool that does not return
-  within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context (`ContextOverflowError`), a
-  tool call that does not parse or names no tool (`MalformedToolCallError`), and a turn cut by the completion budget
-  in the middle of a tool call (`BudgetCutError`; a rollout error only under `on_budget_cut="rollout_error"`).
+* **Named rollout errors** (`RolloutError`, `async_/episodes.py`): a tool that raises (`ToolRaisedError`), a tool
+  that does not return within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context
+  (`ContextOverflowError`), a tool call that does not parse or names no tool (`MalformedToolCallError`), and a turn
+  cut by the completion budget in the middle of a tool call (`BudgetCutError`; a rollout error only under
+  `on_budget_cut="rollout_error"`).
   `on_rollout_error` says what happens to a sample that met one: `"feed_back"` (TRL's behaviour: the error text is
   the tool's reply, the conversation goes on), `"drop"` (its whole group is dropped: a group's advantages are
   normalized together), or `"raise"` (the worker stops with the error, which the trainer raises). Every error and
   every dropped group is counted in a metric (`rollout/errors/<kind>_total`, `rollout/dropped_groups/<kind>_total`);
-  nothing is dropped silently.
+  nothing is dropped silently. The policy is `scoring.RolloutErrorPolicy`, applied by the workers' group scoring
+  (`async_/scoring.py`).
 * **Tool calls side by side, each stoppable** (`async_/tool_calls.py`): a turn's tool calls run concurrently, a tool
   in a small process of its own that is killed when it does not return in time, an environment's method in a thread
   (with a bound on threads left hanging); every call that ends ticks the worker's heartbeat.
@@ -40,11 +42,9 @@ import dataclasses
 import inspect
 import math
 import pickle
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trl import GRPOTrainer
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
@@ -53,7 +53,19 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
+from .episodes import (
+    BudgetCutError,
+    ContextOverflowError,
+    Episode,
+    MalformedToolCallError,
+    NonFiniteRewardError,
+    RolloutError,
+    ToolRaisedError,
+    ToolTimeoutError,
+)
+from .scoring import ON_BUDGET_CUT, ON_ROLLOUT_ERROR, RolloutErrorPolicy
 from .tool_calls import HungToolCallsError, ToolRunner, in_main_module
+from .trl_tool_loop import ModelContext, ToolLoopHost
 
 __all__ = [
     "ON_ROLLOUT_ERROR",
@@ -71,62 +83,9 @@ __all__ = [
     "ToolTimeoutError",
 ]
 
-ON_ROLLOUT_ERROR = ("feed_back", "drop", "raise")
-ON_BUDGET_CUT = ("keep", "rollout_error")
 # a worker's sampler: one completion per prompt (ids up to and including the EOS) and its log-probs; the int counts the
 # calls of a batch, the list is each prompt's completion budget (the tokens it may still sample)
 Generate = Callable[[list[list[int]], int, list[int]], tuple[list[list[int]], list[list[float]]]]
-
-
-class RolloutError(RuntimeError):
-    """A multi-turn rollout met bad input; `kind` names it in the metrics."""
-
-    kind = "rollout_error"
-
-
-class ToolRaisedError(RolloutError):
-    """A tool (or an environment's method) raised; the original exception is chained."""
-
-    kind = "tool_raised"
-
-
-class ToolTimeoutError(RolloutError):
-    """A tool did not return within `tool_timeout_s`."""
-
-    kind = "tool_timeout"
-
-
-class ContextOverflowError(RolloutError):
-    """A tool's or environment's reply would push the completion past `max_completion_length`, or the sequence past
-    the model's context."""
-
-    kind = "context_overflow"
-
-
-class MalformedToolCallError(RolloutError):
-    """The model wrote a tool call that does not parse, names no tool it was given, or whose arguments are not an
-    object."""
-
-    kind = "malformed_tool_call"
-
-
-class BudgetCutError(RolloutError):
-    """The completion budget (`max_completion_length`, or the model's context) ran out in the middle of a tool call
-    the model was writing. Always counted; a rollout error that follows `on_rollout_error` only under
-    `on_budget_cut="rollout_error"` (by default the sample is trained as TRL trains a truncated completion)."""
-
-    kind = "budget_cut"
-
-
-class NonFiniteRewardError(RolloutError):
-    """An environment's `get_reward` returned NaN or ±inf, or a reward function ±inf (a reward function's NaN, or
-    `None`, is TRL's "skipped")."""
-
-    kind = "nonfinite_reward"
-
-
-ERROR_KINDS = tuple(cls.kind for cls in (ToolRaisedError, ToolTimeoutError, ContextOverflowError,
-                                         MalformedToolCallError, BudgetCutError, NonFiniteRewardError))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -171,10 +130,7 @@ class AgentSpec:
     max_hung_tool_threads: int = 16
 
     def __post_init__(self) -> None:
-        if self.on_rollout_error not in ON_ROLLOUT_ERROR:
-            raise ValueError(f"on_rollout_error={self.on_rollout_error!r}: allowed values are {ON_ROLLOUT_ERROR}")
-        if self.on_budget_cut not in ON_BUDGET_CUT:
-            raise ValueError(f"on_budget_cut={self.on_budget_cut!r}: allowed values are {ON_BUDGET_CUT}")
+        RolloutErrorPolicy(self.on_rollout_error, self.on_budget_cut)  # refuses a value it does not allow
         for name, least in (("tool_processes", 0), ("max_hung_tool_threads", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -199,36 +155,13 @@ class AgentSpec:
                 ) from error
 
     @property
+    def policy(self) -> RolloutErrorPolicy:
+        """What becomes of a group whose episodes met a rollout error (applied by the worker's group scoring)."""
+        return RolloutErrorPolicy(self.on_rollout_error, self.on_budget_cut)
+
+    @property
     def enabled(self) -> bool:
         return bool(self.tools) or self.environment_factory is not None
-
-
-@dataclasses.dataclass
-class Episode:
-    """One sampled conversation: the prompt (messages, an environment's observation included) and its ids, the
-    completion's ids (the model's turns and the replies between them), `mask` (1: a model token, 0: a reply token),
-    the behaviour log-probs (0.0 at reply tokens), the completion as messages, its environment, and its errors."""
-
-    prompt: Any
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    mask: list[int]
-    logprobs: list[float]
-    messages: list[dict[str, Any]]
-    environment: Any = None
-    tool_calls: int = 0
-    errors: list[RolloutError] = dataclasses.field(default_factory=list)
-    loop_exhausted: bool = False
-    unknown_tool_calls: int = 0
-
-    @property
-    def tool_failures(self) -> int:
-        """Tool calls that failed, as TRL counts them: the tool raised (or timed out), or no tool has the name."""
-        return self.unknown_tool_calls + sum(isinstance(e, (ToolRaisedError, ToolTimeoutError)) for e in self.errors)
-
-    @property
-    def turns(self) -> int:
-        return sum(1 for m in self.messages if m.get("role") == "assistant")
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:
@@ -377,21 +310,17 @@ class MultiTurnRollouts:
         self.chat_template_kwargs = dict(chat_template_kwargs)
         self.max_completion_length = max_completion_length
         self.marker = _tool_call_marker(tokenizer)
-        self.host = types.SimpleNamespace(
-            max_tool_calling_iterations=math.inf if spec.max_iterations is None else spec.max_iterations,
+        self.host = ToolLoopHost(
             processing_class=tokenizer,
-            _tokenizer=tokenizer,
             chat_template=self.chat_template,
             chat_template_kwargs=self.chat_template_kwargs,
-            _is_vlm=False,
-            use_vllm=False,
-            model=types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=max_model_len)),
             max_completion_length=max_completion_length,
+            max_tool_calling_iterations=math.inf if spec.max_iterations is None else spec.max_iterations,
+            model=ModelContext(max_position_embeddings=max_model_len),
             tools=self.all_tools(),
             environment_factories=self.factories,
             _env_tools=self.env_tools,
         )
-        self.host._get_tool_suffix_ids = types.MethodType(GRPOTrainer._get_tool_suffix_ids, self.host)
 
     def all_tools(self) -> list[Callable]:
         tools = list(self.spec.tools)
@@ -460,21 +389,19 @@ class MultiTurnRollouts:
 
         host._generate_single_turn = next_turn
         try:
-            tool_mask, completions, completion_ids, logprobs, _, _, images = GRPOTrainer._tool_call_loop(
-                host, copy.deepcopy(prompts), prompt_ids, completion_ids, completions, logprobs, None, {}
-            )
+            result = host.run(copy.deepcopy(prompts), prompt_ids, completion_ids, completions, logprobs)
         finally:
             self.runner.abandon()
             self._retire_hung(names, environments)
         if batch.fatal is not None:
             raise batch.fatal
         tool_dicts = batch.tool_dicts
-        if any(images):
+        if any(result.tool_images):
             raise ValueError("a tool replied with images: the asynchronous rollout workers are text-only")
         episodes = []
         for i, prompt in enumerate(prompts):
-            episode = Episode(prompt, prompt_ids[i], completion_ids[i], tool_mask[i], logprobs[i], completions[i],
-                              environments[i], errors=errors[i])  # fmt: skip
+            episode = Episode(prompt, prompt_ids[i], result.completion_ids[i], result.tool_mask[i], result.logprobs[i],
+                              result.completions[i], environments[i], errors=errors[i])  # fmt: skip
             self._audit(episode, tool_dicts[i])
             episodes.append(episode)
         return episodes

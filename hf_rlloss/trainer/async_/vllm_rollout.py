@@ -1,8 +1,9 @@
 """`VLLMRolloutWorker`: the asynchronous trainer's rollout worker process, sampling with a vLLM engine instead of HF
 `generate`, on any machine vLLM runs on (its CPU build included), without a server or NCCL.
 
-It is `cpu_rollout.HFGenerateRolloutWorker` (prompts, rewards, group advantages, queues, heartbeat, weight lag, and the
-weights through `cpu_rollout.QueueWeightTransfer`) with two things replaced in the worker process:
+It is a `worker.RolloutWorker` (prompts, queues, heartbeat, weight lag, and the weights through
+`worker.QueueWeightTransfer`; the group scoring of `async_/scoring.py`), as `cpu_rollout.HFGenerateRolloutWorker` is,
+with two things of its own in the worker process:
 
 * the policy copy is a vLLM engine (`LLM`, in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the weights can be
   loaded into its model) built with `logprobs_mode="processed_logprobs"`: the per-token log-probs it reports are those
@@ -22,54 +23,13 @@ import sys
 from typing import Any
 
 import torch
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from ..common.sampling import cut_at_eos
 from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
-from .cpu_rollout import HFGenerateRolloutWorker, _as_list, _cut_at_eos, _WorkerLoop
+from .worker import RolloutWorker, WorkerLoop, id_list
 
-__all__ = ["VLLMRolloutWorker"]
-
-
-class VLLMRolloutWorker(HFGenerateRolloutWorker):
-    """TRL `RolloutWorkerProtocol` with a vLLM engine in a spawned process; the arguments are
-    `HFGenerateRolloutWorker`'s, plus:
-
-    Args:
-        max_model_len (`int`, *optional*): the engine's context length (prompt + completion); defaults to the
-            model's.
-        kv_cache_gib (`int`, *optional*, defaults to `1`): on CPU, the engine's KV-cache size in whole GiB
-            (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer).
-
-    Under truncated sampling (top-k/top-p/min-p) vLLM reports log-probs on the sampled support only: set
-    `rollout_logprobs_support="sampled"` (the trainer then renormalizes π_old over the replayed support).
-    """
-
-    def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: int = 1, **kwargs: Any):
-        if isinstance(kv_cache_gib, float) and kv_cache_gib.is_integer():
-            kv_cache_gib = int(kv_cache_gib)
-        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib!r}: a whole number of GiB >= 1 (vLLM reads "
-                             "VLLM_CPU_KVCACHE_SPACE as an integer)")  # fmt: skip
-        super().__init__(*args, **kwargs)
-        s = self._settings
-        if s.routing_replay == "rollout":
-            raise ValueError(
-                "routing_replay='rollout' with VLLMRolloutWorker: its samples carry no routed experts (the engine "
-                "would need enable_return_routed_experts=True and its per-token routes mapped onto the samples); use "
-                "HFGenerateRolloutWorker, or routing_replay='old_policy'"
-            )
-        g = s.generation_kwargs
-        truncated = (g.get("top_k") or 0) > 0 or (g.get("top_p") or 1.0) < 1.0 or (g.get("min_p") or 0.0) > 0.0
-        if truncated and s.record_logprobs and s.support == "full":
-            raise ValueError(
-                "rollout_logprobs_support='full' with VLLMRolloutWorker and truncated sampling (top_k/top_p/min_p): "
-                "vLLM reports the log-probs of the truncated distribution only; set rollout_logprobs_support="
-                "'sampled'"
-            )
-        # read by cpu_rollout._worker_main in the spawned process (the settings are pickled with it)
-        s.loop_class = _VLLMWorkerLoop
-        s.vllm = {"max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}
-        if s.agent is not None and max_model_len:  # the engine's context bounds a conversation
-            s.max_model_len = min(s.max_model_len, max_model_len)
+__all__ = ["VLLMRolloutWorker", "VLLMWorkerLoop"]
 
 
 class _EngineWeights:
@@ -85,10 +45,12 @@ class _EngineWeights:
         return [], []
 
 
-class _VLLMWorkerLoop(_WorkerLoop):
+class VLLMWorkerLoop(WorkerLoop):
+    """The worker process' loop sampling with a vLLM engine in the process (`VLLMRolloutWorker`)."""
+
     def load(self) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model takes weights
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.s.vllm["kv_cache_gib"]))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.s.backend["kv_cache_gib"]))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         silence_trl_vllm_version_warning()
         use_reloadable_cpu_linear()
@@ -98,14 +60,14 @@ class _VLLMWorkerLoop(_WorkerLoop):
             model=self.s.model_path,
             tokenizer=self.s.model_path,
             dtype=self.s.dtype,
-            max_model_len=self.s.vllm["max_model_len"],
+            max_model_len=self.s.backend["max_model_len"],
             enforce_eager=True,
             logprobs_mode="processed_logprobs",
             seed=0,
         )
         self.model = _EngineWeights(self.llm)
         eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
-        self.eos_ids = [self.s.tokenizer.eos_token_id, *_as_list(eos)]
+        self.eos_ids = [self.s.tokenizer.eos_token_id, *id_list(eos)]
         self.load_multiturn()
         import vllm
 
@@ -136,7 +98,7 @@ class _VLLMWorkerLoop(_WorkerLoop):
         completions, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:
-                ids = _cut_at_eos(list(sample.token_ids), self.eos_ids)
+                ids = cut_at_eos(list(sample.token_ids), self.eos_ids)
                 completions.append(ids)
                 logprobs.append([step[token].logprob for token, step in zip(ids, sample.logprobs)])
         return completions, logprobs
@@ -144,7 +106,7 @@ class _VLLMWorkerLoop(_WorkerLoop):
     @torch.no_grad()
     def _generate_ids(self, prompt_ids: list[list[int]], seed: int, budgets: list[int] | None = None
                       ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
-        """Multi-turn (`cpu_rollout._WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
+        """Multi-turn (`worker.WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
         sampled under seed `seed + i`, of at most `budgets[i]` tokens (the completion budget its conversation has
         left)."""
         budgets = budgets or [None] * len(prompt_ids)
@@ -156,10 +118,8 @@ class _VLLMWorkerLoop(_WorkerLoop):
             logprobs = [[math.nan] * len(c) for c in completions]
         return completions, logprobs
 
-    @torch.no_grad()
-    def _generate_batch(self) -> list:
-        if self.multiturn is not None:
-            return self._generate_multiturn_batch()
+    def _generate_single_turn_batch(self) -> list[RolloutSample]:
+        """The next prompts' `num_generations` completions each, one request per prompt, and scored."""
         s, tok = self.s, self.s.tokenizer
         rows, texts, encoded = self._next_prompts()
         version = self.version
@@ -168,3 +128,54 @@ class _VLLMWorkerLoop(_WorkerLoop):
         completions, logprobs = self._completions(outputs)
         recorded = (logprobs, None) if s.record_logprobs else None
         return self._score_groups(rows, encoded, completions, recorded, version)
+
+
+class VLLMRolloutWorker(RolloutWorker):
+    """TRL `RolloutWorkerProtocol` with a vLLM engine in a spawned process; the arguments are
+    `worker.RolloutWorker`'s (as `HFGenerateRolloutWorker`'s), plus:
+
+    Args:
+        max_model_len (`int`, *optional*): the engine's context length (prompt + completion); defaults to the
+            model's.
+        kv_cache_gib (`int`, *optional*, defaults to `1`): on CPU, the engine's KV-cache size in whole GiB
+            (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer).
+
+    Under truncated sampling (top-k/top-p/min-p) vLLM reports log-probs on the sampled support only: set
+    `rollout_logprobs_support="sampled"` (the trainer then renormalizes π_old over the replayed support).
+
+    Example:
+
+    ```python
+    >>> from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
+    >>> worker = VLLMRolloutWorker(model_path, dataset, [reward], tokenizer, args, kv_cache_gib=2)  # doctest: +SKIP
+    ```
+    """
+
+    worker_name = "VLLMRolloutWorker"
+    loop_class = VLLMWorkerLoop
+
+    def __init__(self, *args: Any, max_model_len: int | None = None, kv_cache_gib: int = 1, **kwargs: Any):
+        if isinstance(kv_cache_gib, float) and kv_cache_gib.is_integer():
+            kv_cache_gib = int(kv_cache_gib)
+        if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
+            raise ValueError(f"kv_cache_gib={kv_cache_gib!r}: a whole number of GiB >= 1 (vLLM reads "
+                             "VLLM_CPU_KVCACHE_SPACE as an integer)")  # fmt: skip
+        super().__init__(*args, **kwargs)
+        s = self._settings
+        if s.routing_replay == "rollout":
+            raise ValueError(
+                "routing_replay='rollout' with VLLMRolloutWorker: its samples carry no routed experts (the engine "
+                "would need enable_return_routed_experts=True and its per-token routes mapped onto the samples); use "
+                "HFGenerateRolloutWorker, or routing_replay='old_policy'"
+            )
+        g = s.generation_kwargs
+        truncated = (g.get("top_k") or 0) > 0 or (g.get("top_p") or 1.0) < 1.0 or (g.get("min_p") or 0.0) > 0.0
+        if truncated and s.record_logprobs and s.support == "full":
+            raise ValueError(
+                "rollout_logprobs_support='full' with VLLMRolloutWorker and truncated sampling (top_k/top_p/min_p): "
+                "vLLM reports the log-probs of the truncated distribution only; set rollout_logprobs_support="
+                "'sampled'"
+            )
+        s.backend = {"max_model_len": max_model_len, "kv_cache_gib": kv_cache_gib}  # read by `VLLMWorkerLoop.load`
+        if s.agent is not None and max_model_len:  # the engine's context bounds a conversation
+            s.max_model_len = min(s.max_model_len, max_model_len)
