@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
 from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, version_for_batch
-from hf_rlloss.trainer.async_.worker import worker_main
+from hf_rlloss.trainer.async_.worker_loop import worker_main
 
 torch.set_num_threads(1)
 

@@ -2,11 +2,12 @@
 the weight transfer to it through a `torch.multiprocessing` queue (shared memory).
 
 `HFGenerateRolloutWorker` is a `worker.RolloutWorker` (the process, its health, the weights and which policy samples
-which batch: `async_/worker.py`; the group scoring: `async_/scoring.py`) whose process samples with HF `generate`: the
-prompts left padded into one call (`common.sampling.generate_and_cut`), each sampled token's log-prob recorded as the
-synchronous trainer's recorder does (`rollout_recording.SampledTokenLogprobs`: the same support under
-top-k/top-p/min-p), each prompt prefilled once for its completions (`shared_prefill.sharing_prompts`), and under
-`routing_replay="rollout"` the MoE routes recorded with the samples (`async_/routing.py`).
+which batch: `async_/worker.py`, `async_/worker_loop.py`; the group scoring: `async_/scoring.py`) whose process
+samples with HF `generate`: the prompts left padded into one call (`common.sampling.generate_and_cut`), each sampled
+token's log-prob recorded as the synchronous trainer's recorder does (`rollout_recording.SampledTokenLogprobs`: the
+same support under top-k/top-p/min-p), each prompt prefilled once for its completions
+(`shared_prefill.sharing_prompts`), and under `routing_replay="rollout"` the MoE routes recorded with the samples
+(`async_/routing.py`).
 
 The names of the worker framework a user imports with it are importable from here too (`QueueWeightTransfer`,
 `RolloutWorkerDiedError`, `NoRolloutSamplesError`, `group_advantages`, `batch_seed`, ...).
@@ -28,16 +29,8 @@ from ..common.shared_prefill import sharing_prompts
 from .routing import sample_routes
 from .scoring import NoRolloutSamplesError, group_advantages
 from .staleness import check_weight_lag, least_trained_lag
-from .worker import (
-    VLLM_ONLY_OPTIONS,
-    QueueWeightTransfer,
-    RolloutWorker,
-    RolloutWorkerDiedError,
-    WorkerLoop,
-    batch_seed,
-    id_list,
-    version_for_batch,
-)
+from .worker import VLLM_ONLY_OPTIONS, QueueWeightTransfer, RolloutWorker, RolloutWorkerDiedError
+from .worker_loop import WorkerLoop, batch_seed, id_list, version_for_batch
 
 logger = logging.get_logger(__name__)
 

@@ -13,7 +13,7 @@ computed as TRL's `GRPOTrainer` computes it, and turned into TRL `RolloutSample`
   the policy only under `on_budget_cut="rollout_error"`. `max_dropped_groups` groups dropped in a row stop the worker
   (`NoRolloutSamplesError`).
 
-`GroupScoring` is mixed into the workers' loop (`async_/worker.py`).
+`GroupScoring` is mixed into the workers' loop (`async_/worker_loop.py`).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def summed_rewards(per_func: np.ndarray) -> np.ndarray:
 
 
 class GroupScoring:
-    """The scoring half of a rollout worker's loop (mixed into `worker.WorkerLoop`).
+    """The scoring half of a rollout worker's loop (mixed into `worker_loop.WorkerLoop`).
 
     Reads from the loop: `s` (the `WorkerSettings`: `num_generations`, `reward_funcs`, `reward_names`,
     `scale_rewards`, `agent`, `max_dropped_groups`, `tokenizer`), `multiturn` (the `MultiTurnRollouts`, or `None`) and

@@ -27,13 +27,14 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ..common.sampling import cut_at_eos
 from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
-from .worker import RolloutWorker, WorkerLoop, id_list
+from .worker import RolloutWorker
+from .worker_loop import WorkerLoop, id_list
 
 __all__ = ["VLLMRolloutWorker", "VLLMWorkerLoop"]
 
 
 class _EngineWeights:
-    """The engine's model seen as `_WorkerLoop` sees its policy copy: `load_state_dict` loads through vLLM."""
+    """The engine's model seen as `WorkerLoop` sees its policy copy: `load_state_dict` loads through vLLM."""
 
     def __init__(self, llm: Any):
         self.llm = llm
@@ -106,7 +107,7 @@ class VLLMWorkerLoop(WorkerLoop):
     @torch.no_grad()
     def _generate_ids(self, prompt_ids: list[list[int]], seed: int, budgets: list[int] | None = None
                       ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
-        """Multi-turn (`worker.WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
+        """Multi-turn (`worker_loop.WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
         sampled under seed `seed + i`, of at most `budgets[i]` tokens (the completion budget its conversation has
         left)."""
         budgets = budgets or [None] * len(prompt_ids)
