@@ -110,6 +110,35 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
             source["policy_loss_cfg.loss_type"] = "importance_sampling_level"
     elif level != "token":
         raise ValueError(f"importance_sampling_level={level!r}; expected 'token' or 'sequence'")
+    policy = _trl_policy_loss_cfg(args, policy_loss, source)
+    rl_loss: dict[str, Any] = {"policy_loss_cfg": policy, "loss_agg_mode": agg_mode}
+    if agg_mode == "seq-mean-token-sum-norm":
+        rl_loss["loss_scale_factor"] = float(args.max_completion_length)
+        source["loss_scale_factor"] = "max_completion_length"
+    if agg_mode != "token-mean":  # TRL's sequence-mean losses count every row, masked (empty) ones included
+        rl_loss["count_empty_sequences"] = True
+        source["count_empty_sequences"] = "loss_type"
+    if args.off_policy_mask_threshold is not None:
+        rl_loss["off_policy_mask_threshold"] = args.off_policy_mask_threshold
+        source["off_policy_mask_threshold"] = "off_policy_mask_threshold"
+    if args.beta != 0.0:
+        rl_loss.update(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=args.beta)
+        source.update({"use_kl_loss": "beta", "kl_loss_coef": "beta"})
+        if args.use_bias_correction_kl:
+            rl_loss["kl_bias_correction"] = level
+            source["kl_bias_correction"] = "use_bias_correction_kl"
+    if args.top_entropy_quantile != 1.0:  # out-of-range values are then refused by the field
+        rl_loss["top_entropy_quantile"] = args.top_entropy_quantile
+        source["top_entropy_quantile"] = "top_entropy_quantile"
+    if args.entropy_coef != 0.0 and not args.use_adaptive_entropy:
+        rl_loss["entropy_coef"] = args.entropy_coef
+        source["entropy_coef"] = "entropy_coef"
+    return rl_loss, source
+
+
+def _trl_policy_loss_cfg(args: Any, policy_loss: str, source: dict[str, str]) -> dict[str, Any]:
+    """`rl_loss.policy_loss_cfg` for the mapped `policy_loss` from TRL's clipping and loss options (each key's TRL
+    option recorded in `source`)."""
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     high_source = "epsilon_high" if args.epsilon_high is not None else "epsilon"
     policy: dict[str, Any] = {"loss_type": policy_loss}
@@ -137,30 +166,8 @@ def trl_options_to_rl_loss(args: Any) -> tuple[dict[str, Any], dict[str, str]]:
             policy[name] = getattr(args, name)
             source[f"policy_loss_cfg.{name}"] = name
     if args.delta is not None and "delta" not in policy:
-        logger.warning("delta=%s is ignored with loss_type=%r (as TRL does)", args.delta, loss_type)
-    rl_loss: dict[str, Any] = {"policy_loss_cfg": policy, "loss_agg_mode": agg_mode}
-    if agg_mode == "seq-mean-token-sum-norm":
-        rl_loss["loss_scale_factor"] = float(args.max_completion_length)
-        source["loss_scale_factor"] = "max_completion_length"
-    if agg_mode != "token-mean":  # TRL's sequence-mean losses count every row, masked (empty) ones included
-        rl_loss["count_empty_sequences"] = True
-        source["count_empty_sequences"] = "loss_type"
-    if args.off_policy_mask_threshold is not None:
-        rl_loss["off_policy_mask_threshold"] = args.off_policy_mask_threshold
-        source["off_policy_mask_threshold"] = "off_policy_mask_threshold"
-    if args.beta != 0.0:
-        rl_loss.update(use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=args.beta)
-        source.update({"use_kl_loss": "beta", "kl_loss_coef": "beta"})
-        if args.use_bias_correction_kl:
-            rl_loss["kl_bias_correction"] = level
-            source["kl_bias_correction"] = "use_bias_correction_kl"
-    if args.top_entropy_quantile != 1.0:  # out-of-range values are then refused by the field
-        rl_loss["top_entropy_quantile"] = args.top_entropy_quantile
-        source["top_entropy_quantile"] = "top_entropy_quantile"
-    if args.entropy_coef != 0.0 and not args.use_adaptive_entropy:
-        rl_loss["entropy_coef"] = args.entropy_coef
-        source["entropy_coef"] = "entropy_coef"
-    return rl_loss, source
+        logger.warning("delta=%s is ignored with loss_type=%r (as TRL does)", args.delta, args.loss_type)
+    return policy
 
 
 def _cispo_cliprange_high(epsilon_high: float) -> float:
