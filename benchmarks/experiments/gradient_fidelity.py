@@ -156,20 +156,46 @@ def cell_file(checkpoint: str, lag: int, out: Path = OUT) -> Path:
     return out / f"cell_{checkpoint}_lag{lag}.json"
 
 
+def _append(path: Path, new: dict, row: dict) -> None:
+    """Add one prompt's row to a cell's results file, under a lock (several workers may fill one cell): the file is
+    re-read, the row added, and the file replaced whole, so an interrupted run resumes where it stopped."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = json.loads(path.read_text()) if path.exists() else new
+        if all(r["prompt_index"] != row["prompt_index"] for r in results["prompts"]):
+            results["prompts"].append(row)
+        results["meta"]["finished_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        path.with_suffix(".tmp").write_text(json.dumps(results, indent=1))
+        path.with_suffix(".tmp").rename(path)
+
+
+def _claim(path: Path, i: int) -> bool:
+    """Whether this worker takes prompt `i` of the cell (a claim file created exclusively; see `run`)."""
+    import os
+
+    RAW.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(RAW / f"{path.stem}_prompt{i:03d}.claim", os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
 def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, threads: int, corrections=None) -> None:
-    """The prompts of a cell not yet in its results file, appended one by one (the file is rewritten whole after
-    each prompt, so an interrupted run resumes where it stopped)."""
+    """The prompts of a cell not yet in its results file, each added when it is measured (`_append`); prompts are
+    claimed one by one, so that `run --jobs N` workers share a cell."""
     import torch
     from tqdm.auto import tqdm
 
     from hf_rlloss.recipe_support.fidelity_stats import prompt_terms
 
     step = CHECKPOINTS[checkpoint]
-    results = json.loads(path.read_text()) if path.exists() else None
-    if results is None:
-        results = {"meta": provenance(), "cell": {"checkpoint": checkpoint, "step": step, "lag": lag,
-                   "behaviour_step": step - lag, "prompt_seed": seed}, "prompts": []}  # fmt: skip
-    done = {row["prompt_index"] for row in results["prompts"]}
+    new = {"meta": provenance(), "cell": {"checkpoint": checkpoint, "step": step, "lag": lag,
+           "behaviour_step": step - lag, "prompt_seed": seed}, "prompts": []}  # fmt: skip
+    done = {row["prompt_index"] for row in json.loads(path.read_text())["prompts"]} if path.exists() else set()
     todo = [i for i in range(count) if i not in done]
     if not todo:
         return
@@ -177,8 +203,9 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
         check_trajectory([step, step - lag])
     fidelity, rows = _fidelity(step, threads, corrections), _rows(count, seed)
     behavior = fidelity.policy if lag == 0 else _model(step - lag)
-    RAW.mkdir(parents=True, exist_ok=True)
     for i in tqdm(todo, desc=f"{checkpoint} θ_{step}, lag {lag}"):
+        if not _claim(path, i):
+            continue
         started, index = time.time(), seed * 10_000 + i
         cache = RAW / f"{checkpoint}_seed{seed}_prompt{i:03d}_on.pt"  # the on-policy groups serve every lag
         if cache.exists():
@@ -187,14 +214,10 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
             on, on_rewards = fidelity.on_policy(rows[i], index)
             torch.save((on, on_rewards), cache)
         stale = fidelity.stale(rows[i], on, str(lag), behavior, index, LAG_SLOT[lag])
-        results["prompts"].append({
+        _append(path, new, {
             "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": prompt_terms(on, on[2:]),
             **stale, "rewards": {**on_rewards, **stale["rewards"]}, "seconds": round(time.time() - started, 1),
         })  # fmt: skip
-        results["meta"]["finished_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(results, indent=1))
-        path.with_suffix(".tmp").rename(path)
 
 
 def pilot(threads: int) -> int:
@@ -206,7 +229,16 @@ def pilot(threads: int) -> int:
     return 0
 
 
-def run(threads: int, only: str | None) -> int:
+def run(threads: int, only: str | None, jobs: int = 1) -> int:
+    """The registered cells in order. With `jobs` > 1, that many worker processes share each cell (prompts claimed
+    one by one); the claims of an earlier, interrupted run are cleared first (start one `run` at a time)."""
+    if jobs > 1:
+        for claim in RAW.glob("*.claim"):
+            claim.unlink()
+        command = [sys.executable, "-m", "benchmarks.experiments.gradient_fidelity", "run", "--threads", str(threads)]
+        workers = [subprocess.Popen(command + (["--only", only] if only else []) + ["--worker"], cwd=ROOT)
+                   for _ in range(jobs)]  # fmt: skip
+        return max(worker.wait() for worker in workers)
     for checkpoint, lag in CELLS:
         if only and f"{checkpoint}_lag{lag}" != only:
             continue
@@ -299,11 +331,13 @@ def analysis(cells: dict[tuple[str, int], dict], resamples: int = 4000) -> dict:
                 secondary[f"{name} - B, late, lag 8"] = _test(reports[(checkpoint, lag)], name, b_name)
         secondary["MSE at 16 samples, C - B, late, lag 8"] = _test(reports[(checkpoint, lag)], c_name, b_name,
                                                                     "relative_mse")  # fmt: skip
-    adjusted = stats.holm([t["p"] for t in secondary.values()]) if secondary else []
+    # Holm over the whole registered family only: over the tests done so far it would adjust too little
+    family_complete = len(secondary) == len(SECONDARY_LAGS) + 2 + len(OTHER_CORRECTIONS) + 1
+    adjusted = stats.holm([t["p"] for t in secondary.values()]) if family_complete else [None] * len(secondary)
     for test, p in zip(secondary.values(), adjusted):
-        test["p_holm"], test["rejects_holm"] = p, p < 0.05
-    out["secondary"] = secondary
-    if ("late", 0) in reports:
+        test["p_holm"], test["rejects_holm"] = p, (None if p is None else p < 0.05)
+    out["secondary"], out["secondary_family_complete"] = secondary, family_complete
+    if ("late", 0) in complete:
         report = reports[("late", 0)]
         floor = report["estimators"]["noise_floor"]["relative_bias_sq"]
         out["control_lag0"] = {name: {**e["relative_bias_sq"], "within_floor": e["relative_bias_sq"]["ci_low"] <=
@@ -374,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=2)
     cells = [f"{c}_lag{k}" for c, k in CELLS]
     sub.choices["run"].add_argument("--only", choices=cells, help="one cell")
+    sub.choices["run"].add_argument("--jobs", type=int, default=1, help="worker processes sharing each cell")
+    sub.choices["run"].add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p_analyze = sub.add_parser("analyze", help="the registered tests: analysis.json and the plot")
     p_analyze.add_argument("--resamples", type=int, default=4000)
     return parser
@@ -388,7 +424,10 @@ def main() -> int:
     if args.command == "pilot":
         return pilot(args.threads)
     if args.command == "run":
-        return run(args.threads, args.only)
+        if not args.worker:  # a fresh run: claims of an interrupted one are stale
+            for claim in RAW.glob("*.claim"):
+                claim.unlink()
+        return run(args.threads, args.only, 1 if args.worker else args.jobs)
     return analyze(args.resamples)
 
 

@@ -1,11 +1,12 @@
-"""The gradient-fidelity experiment (`python -m benchmarks.experiments.gradient_fidelity`): its pilot's sizing,
-computed from the pilot's per-prompt rows (`gradient_fidelity/pilot.json`) with the experiment's own function."""
+"""The gradient-fidelity experiment (`python -m benchmarks.experiments.gradient_fidelity`): its pilot's sizing and its
+results, each computed from the per-prompt rows of the results files (`gradient_fidelity/pilot.json`,
+`gradient_fidelity/cell_*.json`) with the experiment's own functions."""
 
 from __future__ import annotations
 
 import functools
 
-from .core import figure
+from .core import figure, plot, table
 
 PILOT = "gradient_fidelity/pilot.json"
 
@@ -44,3 +45,196 @@ def power(r) -> str:
         f"{p['mde_relative_bias']:.2f} on the relative-bias scale at the pilot's B; its power at the pilot's mean "
         f"difference is {p['power_at_pilot_mean']:.2f}"
     )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The results, recomputed from the cells' per-prompt rows (`cell_<checkpoint>_lag<k>.json`) with the experiment's
+# registered analysis; nothing is read from a stored aggregate.
+
+CELL_FILES = tuple(f"gradient_fidelity/cell_{c}_lag{k}.json" for c, k in (
+    ("late", 8), ("late", 0), ("early", 8), ("late", 4), ("late", 2), ("late", 1), ("late", 16)))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=2)
+def _analysis_of(texts: tuple) -> dict:
+    import json
+
+    from benchmarks.experiments import gradient_fidelity
+
+    cells = {}
+    for text in texts:
+        if text:
+            cell = json.loads(text)
+            cells[(cell["cell"]["checkpoint"], cell["cell"]["lag"])] = cell
+    return gradient_fidelity.analysis(cells)
+
+
+def _analysis(r) -> dict:
+    import json
+
+    from .core import RESULTS
+
+    texts = tuple(json.dumps(r(name)) if (RESULTS / name).exists() else "" for name in CELL_FILES)
+    return _analysis_of(texts)
+
+
+def _ci(entry: dict, digits: int = 2) -> str:
+    return f"{entry['value']:+.{digits}f} [{entry['ci_low']:+.{digits}f}, {entry['ci_high']:+.{digits}f}]"
+
+
+def _plain(entry: dict, digits: int = 2) -> str:
+    return f"{entry['value']:.{digits}f} [{entry['ci_low']:.{digits}f}, {entry['ci_high']:.{digits}f}]"
+
+
+@figure("gradient_fidelity.primary")
+def primary(r) -> str:
+    a = _analysis(r)
+    p = a["primary"]
+    boot, t, sign = p["bootstrap"], p["paired_t_squared"], p["sign_test_squared"]
+    report = a["cells"]["late_lag8"]["report"]["estimators"]
+    if boot["rejects"]:
+        verdict = "C closer to the on-policy gradient than B" if boot["value"] < 0 else "B closer than C"
+    else:
+        verdict = "no difference detected"
+    return (
+        f"r_C − r_B = {boot['value']:+.3f} (95 % bootstrap CI {boot['ci_low']:+.3f} to {boot['ci_high']:+.3f}, "
+        f"p = {boot['p']:.3f}) over {t['n']} prompts: {verdict}; B's relative bias "
+        f"{_plain(report['none']['relative_bias'])}, C's {_plain(report['token_tis']['relative_bias'])}. On the "
+        f"squared scale the per-prompt differences have mean {t['mean_diff']:+.3f} (95 % CI {t['ci'][0]:+.3f} to "
+        f"{t['ci'][1]:+.3f}), t({t['df']}) = {t['t']:.2f}, p = {t['p']:.3f}; C below B on {sign['minus']} prompts, "
+        f"above on {sign['plus']}, {sign['ties']} ties (sign test p = {sign['p']:.3f})"
+    )
+
+
+@table("gradient_fidelity.controls")
+def controls(r) -> str:
+    a = _analysis(r)
+    floor = a["cells"]["late_lag8"]["report"]["estimators"]["noise_floor"]["relative_bias_sq"]
+    rows = [
+        "| control | what must hold | measured (relative squared bias [95 % CI]) | holds |",
+        "|---|---|---|---|",
+        f"| noise floor (split-half on-policy), late, lag 8 | its interval holds 0 | {_ci(floor)} | "
+        f"{'yes' if floor['ci_low'] <= 0 <= floor['ci_high'] else 'no'} |",
+    ]
+    lag0 = a.get("control_lag0")
+    if lag0 is None:
+        rows.append("| lag 0: every estimator within the floor | not yet measured | – | – |")
+    else:
+        inside = [
+            n for n, e in lag0.items() if n != "noise_floor" and e["within_floor"] and e["ci_low"] <= 0 <= e["ci_high"]
+        ]
+        outside = [n for n in lag0 if n != "noise_floor" and n not in inside]
+        widest = max((e for n, e in lag0.items() if n != "noise_floor"), key=lambda e: abs(e["value"]))
+        rows.append(
+            f"| lag 0 (θ_40 as its own behaviour, {a['cells']['late_lag0']['prompts']} prompts) | every estimator "
+            f"within the floor, holding 0 | largest: {_ci(widest)} | "
+            f"{'yes, all ' + str(len(inside)) if not outside else 'no: ' + ', '.join(outside)} |"
+        )
+    inverted = a["control_inverted"]
+    rows.append(
+        f"| inverted IS weight μ/π, late, lag 8 | worse than B: `r_inv − r_B` above 0 | "
+        f"{_ci(inverted)} (relative bias) | {'yes' if inverted['ci_low'] > 0 else 'no'} |"
+    )
+    return "\n".join(rows)
+
+
+@table("gradient_fidelity.corrections")
+def corrections(r) -> str:
+    from hf_rlloss.recipe_support.gradient_fidelity import CORRECTIONS
+
+    a = _analysis(r)
+    report = a["cells"]["late_lag8"]["report"]
+    secondary = a["secondary"]
+    rows = [
+        "| correction | relative bias [95 % CI] | cosine | relative variance per group | relative MSE, 16 samples | "
+        "IS ESS | minus B: relative bias [95 % CI] | Holm p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in report["estimators"].items():
+        described = CORRECTIONS[name].description if name in CORRECTIONS else "noise floor: split-half on-policy"
+        diff = report["differences"].get(f"{name} - none", {}).get("relative_bias")
+        test = secondary.get(f"{name} - B, late, lag 8") or (
+            a["primary"]["bootstrap"] if name == "token_tis" else None
+        )
+        holm = "primary" if name == "token_tis" else _holm(test)
+        ess = entry.get("ess")
+        rows.append(
+            f"| {described} | {_plain(entry['relative_bias'])} | {entry['cosine']['value']:.2f} | "
+            f"{entry['relative_variance']['value']:.2f} | {entry['relative_mse']['value']:.2f} | "
+            f"{'–' if ess is None or ess != ess else f'{ess:.3f}'} | {_ci(diff) if diff else '–'} | {holm} |"
+        )
+    return "\n".join(rows)
+
+
+def _holm(test: dict | None) -> str:
+    """A secondary test's Holm-adjusted p, or its unadjusted p while the registered family is incomplete."""
+    if test is None:
+        return "–"
+    if test["p_holm"] is None:
+        return f"{test['p']:.3f} (unadjusted: family incomplete)"
+    return f"{test['p_holm']:.3f}"
+
+
+@table("gradient_fidelity.lags")
+def lags(r) -> str:
+    from benchmarks.experiments import gradient_fidelity
+
+    a = _analysis(r)
+    rows = [
+        "| checkpoint | lag | prompts | B: relative bias | C: relative bias | C − B [95 % CI] | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for checkpoint, lag in (("late", 1), ("late", 2), ("late", 4), ("late", 8), ("late", 16), ("early", 8)):
+        cell = a["cells"].get(f"{checkpoint}_lag{lag}")
+        complete = f"{checkpoint}_lag{lag}" not in a["incomplete"]
+        if cell is None or not complete:
+            planned = gradient_fidelity.PROMPTS[checkpoint]
+            rows.append(f"| {checkpoint} | {lag} | {planned} registered | not yet measured | | | |")
+            continue
+        est = cell["report"]["estimators"]
+        diff = cell["report"]["differences"]["token_tis - none"]["relative_bias"]
+        if (checkpoint, lag) == ("late", 8):
+            holm = "primary"
+        else:
+            holm = _holm(a["secondary"].get(f"C - B, {checkpoint}, lag {lag}"))
+        rows.append(
+            f"| {checkpoint} | {lag} | {cell['prompts']} | {_plain(est['none']['relative_bias'])} | "
+            f"{_plain(est['token_tis']['relative_bias'])} | {_ci(diff)} | {holm} |"
+        )
+    return "\n".join(rows)
+
+
+@plot("docs/gradient_fidelity.png")
+def lag_curves(r):
+    """Relative bias and cosine against the lag, one line per correction (late checkpoint), with 95 % intervals; the
+    lags evenly spaced, the corrections side by side within a lag."""
+    import matplotlib.pyplot as plt
+
+    a = _analysis(r)
+    lags_measured = [k for k in (1, 2, 4, 8, 16) if f"late_lag{k}" not in a["incomplete"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(a["cells"]["late_lag8"]["report"]["estimators"])
+    colors = plt.get_cmap("tab20")(range(len(names)))
+    for offset, (name, color) in enumerate(zip(names, colors)):
+        for axis, key in zip(axes, ("relative_bias", "cosine")):
+            if key == "cosine" and name == "noise_floor":
+                continue  # the floor's cosine compares two noisy on-policy estimates: not a correction's
+            points = [a["cells"][f"late_lag{k}"]["report"]["estimators"][name][key] for k in lags_measured]
+            x = [i + 0.06 * (offset - len(names) / 2) for i in range(len(lags_measured))]
+            y = [p["value"] for p in points]
+            err = [
+                [max(p["value"] - p["ci_low"], 0) for p in points],
+                [max(p["ci_high"] - p["value"], 0) for p in points],
+            ]
+            style = "--" if name in ("noise_floor", "inverted_tis") else "-"
+            axis.errorbar(x, y, yerr=err, fmt="o" + style, ms=3, lw=1, capsize=2, color=color, label=name)
+    titles = ("relative bias ‖E ĝ − g_on‖ / ‖g_on‖", "cosine to the on-policy gradient")
+    for axis, label in zip(axes, titles):
+        axis.set(xlabel="lag (policy versions)", ylabel=label, xticks=range(len(lags_measured)))
+        axis.set_xticklabels([str(k) for k in lags_measured])
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    meta = r(CELL_FILES[0])["meta"]
+    fig.suptitle(f"late checkpoint θ_40 of the async demo; {meta['machine']['kind']}, {meta['date']}", fontsize=8)
+    fig.tight_layout()
+    return fig
