@@ -213,9 +213,7 @@ def test_a_violation_is_caught(tmp_path, monkeypatch):
 FUNCTION_LINES = 80  # from the `def` line to the last, its docstring included
 CLASS_LINES = 450
 # Over the limit, each with the reason it stays; the test fails once one fits, so that its entry is removed
-TOO_LONG_FOR_NOW = {
-    "hf_rlloss/loss/context.py::build_batches": "the loss layer is held unchanged while an experiment runs on it",
-}
+TOO_LONG_FOR_NOW: dict[str, str] = {}  # `path::name` of a function allowed over the limit, with why (none)
 
 
 def _too_long(root: Path) -> dict[str, int]:

@@ -568,36 +568,11 @@ class GRPOLossContext(BaseRLLossContext):
                 micro-batches stand for, when a step is normalized in groups (a step spanning two generation batches,
                 see `RLLossGRPOTrainer`): every policy and KL weight is multiplied by it.
         """
-        if not 0.0 < step_fraction <= 1.0:
-            raise ValueError(f"step_fraction={step_fraction} must be in (0, 1]")
-        if not contexts:
-            raise ValueError("build_batches needs the micro-batches of the step (got an empty list)")
+        cls._prepare_step(contexts, step_fraction, process_group)
         cfg = contexts[0].loss_cfg
         sp_mesh = contexts[0].sp_mesh
-        for i, ctx in enumerate(contexts):
-            ctx._handle_nonfinite(i)
-            if cfg.use_kl_loss and ctx.loss_kwargs.ref_logprobs is None:
-                raise ValueError(f"use_kl_loss=True but {ctx._name(i)} has no ref_logprobs")
-        if cfg.rollout_is.m2_threshold is not None:
-            cls._second_moment_mask(contexts, cfg.rollout_is.m2_threshold, process_group)
-
-        # Valid tokens of each whole sequence: a sequence split over SP ranks is counted on all of its shards.
-        counts = [
-            torch.zeros(ctx.loss_kwargs.num_sequences, dtype=torch.float64, device=ctx.mask.device).index_add_(
-                0,
-                ctx.loss_kwargs.seq_ids[ctx.mask],
-                torch.ones((), dtype=torch.float64, device=ctx.mask.device).expand(int(ctx.mask.sum())),
-            )
-            for ctx in contexts
-        ]
-        flat_counts = torch.cat(counts)
-        if sp_world_size(sp_mesh) > 1 and any(ctx.entropy_coef != 0.0 for ctx in contexts):
-            raise ValueError("entropy_coef is not supported with sequence parallelism (a shard's token mean differs)")
-        if sp_world_size(sp_mesh) > 1 and cfg.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile < 1 is not supported with sequence parallelism")
-        if sp_world_size(sp_mesh) > 1:
-            all_reduce(flat_counts, group=sp_group(sp_mesh))
-        counts = list(torch.split(flat_counts, [len(c) for c in counts]))
+        flat_counts = cls._sequence_token_counts(contexts)
+        counts = list(torch.split(flat_counts, [ctx.loss_kwargs.num_sequences for ctx in contexts]))
         if cfg.policy_loss_cfg.spec.rollout_is_per_sequence:
             for ctx, seq_counts in zip(contexts, counts):
                 ctx._fold_rollout_is_per_sequence(seq_counts)
@@ -639,6 +614,47 @@ class GRPOLossContext(BaseRLLossContext):
             sequence_agg = cfg.agg_mode != "token-mean"
             ctx.trl_policy_loss_scale = len(contexts) / step_fraction if sequence_agg else 1.0
         return contexts
+
+    @classmethod
+    def _prepare_step(cls, contexts: list[BaseRLLossContext], step_fraction: float, process_group) -> None:
+        """`build_batches`' checks of the step's micro-batches, then what drops tokens before the denominators:
+        non-finite inputs (`nonfinite_inputs`) and M2PO's second-moment mask."""
+        if not 0.0 < step_fraction <= 1.0:
+            raise ValueError(f"step_fraction={step_fraction} must be in (0, 1]")
+        if not contexts:
+            raise ValueError("build_batches needs the micro-batches of the step (got an empty list)")
+        cfg = contexts[0].loss_cfg
+        if sp_world_size(contexts[0].sp_mesh) > 1:
+            if any(ctx.entropy_coef != 0.0 for ctx in contexts):
+                raise ValueError(
+                    "entropy_coef is not supported with sequence parallelism (a shard's token mean differs)"
+                )
+            if cfg.top_entropy_quantile < 1.0:
+                raise ValueError("top_entropy_quantile < 1 is not supported with sequence parallelism")
+        for i, ctx in enumerate(contexts):
+            ctx._handle_nonfinite(i)
+            if cfg.use_kl_loss and ctx.loss_kwargs.ref_logprobs is None:
+                raise ValueError(f"use_kl_loss=True but {ctx._name(i)} has no ref_logprobs")
+        if cfg.rollout_is.m2_threshold is not None:
+            cls._second_moment_mask(contexts, cfg.rollout_is.m2_threshold, process_group)
+
+    @staticmethod
+    def _sequence_token_counts(contexts: list[BaseRLLossContext]) -> torch.Tensor:
+        """`(Σ S,)` float64: the valid tokens of each whole sequence of every micro-batch, in order; a sequence split
+        over SP ranks is counted on all of its shards (one all-reduce over the SP group)."""
+        counts = [
+            torch.zeros(ctx.loss_kwargs.num_sequences, dtype=torch.float64, device=ctx.mask.device).index_add_(
+                0,
+                ctx.loss_kwargs.seq_ids[ctx.mask],
+                torch.ones((), dtype=torch.float64, device=ctx.mask.device).expand(int(ctx.mask.sum())),
+            )
+            for ctx in contexts
+        ]
+        flat_counts = torch.cat(counts)
+        sp_mesh = contexts[0].sp_mesh
+        if sp_world_size(sp_mesh) > 1:
+            all_reduce(flat_counts, group=sp_group(sp_mesh))
+        return flat_counts
 
     @staticmethod
     def _second_moment_mask(contexts: list[BaseRLLossContext], threshold: float, process_group) -> None:
