@@ -40,3 +40,23 @@ def test_the_same_batch_index_draws_the_same_completions_in_every_arm():
     a = [first.get() for _ in range(8)]
     b = [second.get() for _ in range(8)]
     assert all(torch.equal(torch.as_tensor(x.input_ids), torch.as_tensor(y.input_ids)) for x, y in zip(a, b))
+
+
+def test_the_drift_of_a_row_in_closed_form():
+    """The staleness experiments' drift metrics: mean |Δ|, the ESS of exp(Δ) and the share of |Δ| > ln 2, with Δ the
+    loss's π_θ (π_old, one step per batch) minus the sampler's log-probs."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.experiments.async_staleness import drift
+
+    trainer = SimpleNamespace(args=SimpleNamespace(behavior_as_old_policy=False))
+    row = SimpleNamespace(behavior_logprobs=torch.tensor([-1.0, -2.0, -0.5, -3.0]))
+    old = torch.tensor([[-1.0, -1.0, -1.5, -3.0]])  # Δ = 0, 1, -1, 0
+    got = drift(trainer, {"old_logprobs": old}, row)
+    w = [1.0, math.e, 1 / math.e, 1.0]
+    assert got["abs_logratio"] == 0.5
+    assert abs(got["ess"] - sum(w) ** 2 / (4 * sum(x * x for x in w))) < 1e-12
+    assert got["frac_over_ln2"] == 0.5

@@ -179,6 +179,23 @@ def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prom
     return LaggedSampler()
 
 
+def drift(trainer, data: dict, row) -> dict[str, float]:
+    """How far the trained policy is from the sampler on a row's sampled tokens (`Δ = log π_θ − log π_behavior`):
+    mean |Δ|, the ESS of the weights `exp(Δ)` and the share of tokens with |Δ| > ln 2. π_θ at the loss is π_old (one
+    optimizer step per batch), or the trainer's own pass when π_old is the sampler's."""
+    if trainer.args.behavior_as_old_policy:
+        current = trainer._no_grad_logprobs(trainer.model, row)
+    else:
+        current = data["old_logprobs"][0]
+    delta = (current - row.behavior_logprobs).double()
+    w = delta.exp()
+    return {
+        "abs_logratio": float(delta.abs().mean()),
+        "ess": float(w.sum() ** 2 / (w.numel() * (w**2).sum())),
+        "frac_over_ln2": float((delta.abs() > LN2).double().mean()),
+    }
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # One (seed, lag) cell: the three arms in one process
 
@@ -223,16 +240,9 @@ def run_cell(
 
         def build_loss_data(self, row):
             data = super().build_loss_data(row)
-            if self.args.behavior_as_old_policy:
-                current = self._no_grad_logprobs(self.model, row)
-            else:
-                current = data["old_logprobs"][0]  # π_θ at the loss = π_old with one optimizer step per batch
-            delta = (current - row.behavior_logprobs).double()
-            w = delta.exp()
             metrics = self._metrics["train"]
-            metrics["bench/abs_logratio"].append(float(delta.abs().mean()))
-            metrics["bench/ess"].append(float(w.sum() ** 2 / (w.numel() * (w**2).sum())))
-            metrics["bench/frac_over_ln2"].append(float((delta.abs() > LN2).double().mean()))
+            for key, value in drift(self, data, row).items():
+                metrics[f"bench/{key}"].append(value)
             return data
 
     @torch.no_grad()

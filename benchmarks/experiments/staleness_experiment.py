@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.experiments.async_staleness import ARM_NAMES, LN2, arm_options
+from benchmarks.experiments.async_staleness import ARM_NAMES, arm_options, drift
 from benchmarks.experiments.async_staleness import lagged_sampler as async_lagged_sampler
 from benchmarks.shared import stats
 from benchmarks.shared.provenance import ROOT, command_line, provenance
@@ -204,15 +204,8 @@ def drift_trainer_class():
 
         def build_loss_data(self, row):
             data = super().build_loss_data(row)
-            if self.args.behavior_as_old_policy:
-                current = self._no_grad_logprobs(self.model, row)
-            else:
-                current = data["old_logprobs"][0]  # π_θ at the loss = π_old with one optimizer step per batch
-            delta = (current - row.behavior_logprobs).double()
-            w = delta.exp()
-            self._bench["abs_logratio"].append(float(delta.abs().mean()))
-            self._bench["ess"].append(float(w.sum() ** 2 / (w.numel() * (w**2).sum())))
-            self._bench["frac_over_ln2"].append(float((delta.abs() > LN2).double().mean()))
+            for key, value in drift(self, data, row).items():
+                self._bench[key].append(value)
             return data
 
     return DriftTrainer
