@@ -172,7 +172,7 @@ def _holm(test: dict | None) -> str:
         return "–"
     if test["p_holm"] is None:
         return f"{test['p']:.3f} (unadjusted: family incomplete)"
-    return f"{test['p_holm']:.3f}"
+    return "< 0.001" if test["p_holm"] < 0.001 else f"{test['p_holm']:.3f}"
 
 
 @table("gradient_fidelity.lags")
@@ -238,3 +238,13 @@ def lag_curves(r):
     fig.suptitle(f"late checkpoint θ_40 of the async demo; {meta['machine']['kind']}, {meta['date']}", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+@figure("gradient_fidelity.other_secondaries")
+def other_secondaries(r) -> str:
+    a = _analysis(r)["secondary"]
+    mse, between = a["MSE at 16 samples, C - B, late, lag 8"], a["(C - B) late - early, lag 8"]
+    return (
+        f"the relative MSE at 16 samples, C − B at the primary cell: {_ci(mse)} (Holm p {_holm(mse)}); the late "
+        f"checkpoint's C − B minus the early one's, at lag 8: {_ci(between)} (Holm p {_holm(between)})"
+    )
