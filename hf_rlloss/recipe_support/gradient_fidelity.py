@@ -34,6 +34,7 @@ import torch
 
 from ..loss.config import GRPOLossConfig
 from ..loss.context import GRPOLossContext
+from ..trainer.async_.scoring import group_advantages
 from ..trainer.common.sampling import generate_and_cut
 from .fidelity_stats import FLOOR, fidelity_statistics, prompt_terms
 from .grad_sketch import CountSketch
@@ -128,15 +129,8 @@ def completion_logprobs(model: Any, group: Group, pad_token_id: int) -> torch.Te
 
 
 def trl_group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """`(G,)` TRL's group advantages: `(r − mean) / (std + 1e-4)` with the unbiased std, over the scored completions
-    (0 for a completion no reward function scored)."""
-    scored = ~np.isnan(rewards)
-    advantages = np.zeros_like(rewards)
-    if scored.sum() >= 1:
-        values = rewards[scored]
-        std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-        advantages[scored] = (values - values.mean()) / (std + 1e-4)
-    return advantages
+    """`(G,)` TRL's group advantages (`scale_rewards="group"`), as the asynchronous worker scores a group."""
+    return group_advantages(rewards)[0]
 
 
 def score(
