@@ -7,6 +7,11 @@ results.
     python -m benchmarks.experiments.staleness_experiment run --plan robustness --jobs 2
     python -m benchmarks.experiments.staleness_experiment analyze
 
+    # the lag-4 replication (docs/gradient_fidelity_preregistration.md): its 48 runs, its test, its plot
+    python -m benchmarks.experiments.staleness_experiment run --plan replication --jobs 2 \
+        --out benchmarks/results/staleness_replication
+    python -m benchmarks.experiments.staleness_experiment analyze --plan replication
+
 The arms, the in-process lagged sampler and the drift metrics are those of `benchmarks/experiments/async_staleness.py`
 (its
 docstring explains the simulated lag); what differs:
@@ -54,6 +59,8 @@ from benchmarks.shared.provenance import ROOT, command_line, provenance
 
 OUT = ROOT / "benchmarks" / "results" / "staleness_v2"
 PLOT = ROOT / "docs" / "staleness_v2.png"
+REPLICATION_OUT = ROOT / "benchmarks" / "results" / "staleness_replication"
+REPLICATION_PLOT = ROOT / "docs" / "staleness_replication.png"
 
 # The pre-registered settings (docs/staleness_preregistration.md)
 STEPS = 16  # sized by a timed smoke run to fit the primary plan in about 90 minutes on 2 cores
@@ -499,19 +506,47 @@ def analysis(runs: dict, untrained: dict | None) -> dict:
     }
 
 
-def analyze(out: Path, plot: Path) -> dict:
+def replication_analysis(runs: dict, original_runs: dict, untrained: dict | None) -> dict:
+    """The lag-4 replication's registered test (`docs/gradient_fidelity_preregistration.md`) on its run files
+    (`load_runs` of its folder): C − B held-out accuracy at lag 4 and learning rate `LR` over `REPLICATION_SEEDS`,
+    two-sided paired t-test at 0.05 with the sign test and the bootstrap interval beside it; the original 6-seed
+    comparison it replicates (from the accuracy experiment's runs, `original_runs`), and the descriptives
+    (exploratory) against the untrained policy of the same held-out set."""
+    test = compare(runs, "C", "B", REPLICATION_LAG, LR, REPLICATION_SEEDS)
+    t = test.get("paired_t")
+    test["rejects"] = None if not test["complete"] else bool(t["p"] < 0.05)
+    test["rule"] = "the two-sided paired t-test of C − B over the 24 seeds rejects at 0.05"
+    return {
+        "untrained_accuracy": untrained["summary"]["heldout_accuracy"] if untrained else None,
+        "replication": test,
+        "original": compare(original_runs, "C", "B", REPLICATION_LAG, LR, SECONDARY_SEEDS),
+        "descriptives": descriptives(runs, untrained),
+    }
+
+
+def analyze(out: Path, plot: Path, plan: str = "primary") -> dict:
+    """The tests of the accuracy experiment (`plan` "primary") or of the lag-4 replication ("replication"), from the
+    run files in `out`: `out/analysis.json` and the plot."""
     runs, untrained = load_runs(out)
     steps = sorted({d["config"]["steps"] for d in runs.values()})
     off_plan = sorted(name_of(d) for d in runs.values() if d["config"]["steps"] != STEPS)
+    if plan == "replication":
+        original_runs, untrained = load_runs(OUT)  # the untrained policy and held-out set are the experiment's
+        registration, body = "docs/gradient_fidelity_preregistration.md", replication_analysis(
+            runs, original_runs, untrained)  # fmt: skip
+    else:
+        registration, body = "docs/staleness_preregistration.md", analysis(runs, untrained)
     result = {
-        "meta": {**provenance(), "preregistration": "docs/staleness_preregistration.md", "run_steps": steps,
+        "meta": {**provenance(), "preregistration": registration, "run_steps": steps,
                  "preregistered_steps": STEPS, "runs": len(runs),
                  "runs_not_at_preregistered_steps": off_plan},
-        **analysis(runs, untrained),
+        **body,
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "analysis.json").write_text(json.dumps(result, indent=1) + "\n")
-    if runs:
+    if runs and plan == "replication":
+        make_replication_plot(runs, result, plot)
+    elif runs:
         make_plot(runs, result, plot)
     print_summary(result)
     return result
@@ -530,6 +565,10 @@ def print_summary(result: dict) -> None:
         return text + ("" if c["complete"] else f" (INCOMPLETE: {len(c['seeds'])} of {len(c['seeds_planned'])})")
 
     print(f"untrained held-out accuracy: {result['untrained_accuracy']}")
+    if "replication" in result:
+        print(line("REPLICATION", result["replication"]), "rejects:", result["replication"]["rejects"])
+        print(line("original (6 seeds)", result["original"]))
+        return
     print(line("PRIMARY", result["primary"]), "positive:", result["primary"]["positive"])
     for s in result["secondary"]:
         print(line(s["name"], s))
@@ -578,6 +617,49 @@ def make_plot(runs: dict, result: dict, path: Path) -> None:
     print(f"plot: {path}")
 
 
+def make_replication_plot(runs: dict, result: dict, path: Path) -> None:
+    """Left: the replication's held-out accuracy per seed (a seed's B and C joined), the untrained policy's as a
+    line. Right: the per-seed differences C − B of the original lag-4 comparison and of the replication, with the
+    mean and its 95 % t interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    colors = {"B": "tab:orange", "C": "tab:blue"}
+    for seed in REPLICATION_SEEDS:
+        ys = [(i, runs[(seed, REPLICATION_LAG, a, LR)]["summary"]["heldout_accuracy"]) for i, a in enumerate("BC")
+              if (seed, REPLICATION_LAG, a, LR) in runs]  # fmt: skip
+        left.plot([i for i, _ in ys], [y for _, y in ys], color="0.8", lw=0.8, zorder=1)
+        for i, y in ys:
+            left.scatter(i, y, color=colors["BC"[i]], s=14, zorder=2)
+    if result["untrained_accuracy"] is not None:
+        left.axhline(result["untrained_accuracy"], color="k", ls="--", lw=1, label="untrained")
+        left.legend(fontsize=8)
+    left.set_xticks(range(2), [ARM_NAMES[a] for a in "BC"], fontsize=7, rotation=12)
+    left.set_ylabel(f"held-out accuracy ({HELDOUT_SIZE} items, greedy)")
+    left.set_title(f"replication: lag {REPLICATION_LAG}, lr {LR:g}, per seed", fontsize=9)
+    comparisons = [("original, seeds 0-5", result["original"]), ("replication, seeds 12-35", result["replication"])]
+    for i, (_, c) in enumerate(comparisons):
+        if "paired_t" not in c:
+            continue
+        diffs = [a - b for a, b in zip(c["per_seed_x"], c["per_seed_y"])]
+        right.scatter(diffs, [i] * len(diffs), color="0.5", s=12)
+        t = c["paired_t"]
+        right.errorbar(t["mean_diff"], i, xerr=[[t["mean_diff"] - t["ci"][0]], [t["ci"][1] - t["mean_diff"]]],
+                       fmt="D", color="k", capsize=3)  # fmt: skip
+    right.axvline(0, color="k", lw=0.8)
+    right.set_yticks(range(len(comparisons)), [f"{n} (C − B)" for n, _ in comparisons], fontsize=8)
+    right.set_ylim(len(comparisons) - 0.4, -0.6)  # top to bottom, half a row of margin
+    right.set_xlabel("per-seed held-out accuracy difference, mean and 95 % t interval")
+    right.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
+
+
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -602,8 +684,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (pre-registered: %(default)s)")
         p.add_argument("--out", type=Path, default=OUT)
     p_analyze = sub.add_parser("analyze", help="the pre-registered tests: analysis.json and the plot")
-    p_analyze.add_argument("--out", type=Path, default=OUT)
-    p_analyze.add_argument("--plot", type=Path, default=PLOT)
+    plans = "the accuracy experiment's tests (primary and robustness runs) or the replication's"
+    p_analyze.add_argument("--plan", choices=("primary", "replication"), default="primary", help=plans)
+    p_analyze.add_argument("--out", type=Path, help="the run files' folder (default: the plan's)")
+    p_analyze.add_argument("--plot", type=Path, help="the image (default: the plan's, under docs/)")
     return parser
 
 
@@ -621,7 +705,9 @@ def main() -> int:
             cell = Cell(args.seed, args.lag, args.arm, args.lr)
         run_cell(cell, args.steps, args.out)
         return 0
-    analyze(args.out, args.plot)
+    replication = args.plan == "replication"
+    out = args.out or (REPLICATION_OUT if replication else OUT)
+    analyze(out, args.plot or (REPLICATION_PLOT if replication else PLOT), args.plan)
     return 0
 
 
