@@ -574,6 +574,43 @@ def print_summary(result: dict) -> None:
         print(line(s["name"], s))
 
 
+def _per_seed_panel(ax, runs: dict, arms: list[str], lag: int, untrained_accuracy: float | None) -> None:
+    """Held-out accuracy per seed at `lag` and `LR`: a point per arm, a seed's arms joined, the untrained line."""
+    colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
+    for seed in sorted({k[0] for k in runs}):
+        ys = [(i, runs[(seed, lag, a, LR)]["summary"]["heldout_accuracy"]) for i, a in enumerate(arms)
+              if (seed, lag, a, LR) in runs]  # fmt: skip
+        ax.plot([i for i, _ in ys], [y for _, y in ys], color="0.8", lw=0.8, zorder=1)
+        for i, y in ys:
+            ax.scatter(i, y, color=colors[arms[i]], s=14, zorder=2)
+    if untrained_accuracy is not None:
+        ax.axhline(untrained_accuracy, color="k", ls="--", lw=1, label="untrained")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(arms)), [ARM_NAMES[a] for a in arms], fontsize=7, rotation=12)
+    ax.set_ylabel(f"held-out accuracy ({HELDOUT_SIZE} items, greedy)")
+
+
+def _differences_panel(ax, comparisons: list[tuple[str, dict]]) -> None:
+    """Each comparison's per-seed differences on its own row, with the mean and its 95 % t interval."""
+    for i, (_, c) in enumerate(comparisons):
+        if "paired_t" not in c:
+            continue
+        diffs = [a - b for a, b in zip(c["per_seed_x"], c["per_seed_y"])]
+        ax.scatter(diffs, [i] * len(diffs), color="0.5", s=12)
+        t = c["paired_t"]
+        ax.errorbar(t["mean_diff"], i, xerr=[[t["mean_diff"] - t["ci"][0]], [t["ci"][1] - t["mean_diff"]]],
+                    fmt="D", color="k", capsize=3)  # fmt: skip
+    ax.axvline(0, color="k", lw=0.8)
+    ax.grid(alpha=0.3, axis="x")
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    print(f"plot: {path}")
+
+
 def make_plot(runs: dict, result: dict, path: Path) -> None:
     """Left: held-out accuracy per seed (points, a seed's two arms joined) at lag 8, the untrained policy's as a line.
     Right: per-seed differences of each pre-registered comparison, with the mean and its 95 % t interval."""
@@ -583,38 +620,15 @@ def make_plot(runs: dict, result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
-    colors = {"A": "tab:red", "B": "tab:orange", "C": "tab:blue"}
     arms = [a for a in ("A", "B", "C") if any(k[1] == PRIMARY_LAG and k[2] == a and k[3] == LR for k in runs)]
-    for seed in sorted({k[0] for k in runs}):
-        ys = [(i, runs[(seed, PRIMARY_LAG, a, LR)]["summary"]["heldout_accuracy"]) for i, a in enumerate(arms)
-              if (seed, PRIMARY_LAG, a, LR) in runs]  # fmt: skip
-        left.plot([i for i, _ in ys], [y for _, y in ys], color="0.8", lw=0.8, zorder=1)
-        for i, y in ys:
-            left.scatter(i, y, color=colors[arms[i]], s=14, zorder=2)
-    if result["untrained_accuracy"] is not None:
-        left.axhline(result["untrained_accuracy"], color="k", ls="--", lw=1, label="untrained")
-        left.legend(fontsize=8)
-    left.set_xticks(range(len(arms)), [ARM_NAMES[a] for a in arms], fontsize=7, rotation=12)
-    left.set_ylabel(f"held-out accuracy ({HELDOUT_SIZE} items, greedy)")
+    _per_seed_panel(left, runs, arms, PRIMARY_LAG, result["untrained_accuracy"])
     left.set_title(f"lag {PRIMARY_LAG}, lr {LR:g}, per seed", fontsize=9)
     comparisons = [("primary: C − B, lag 8", result["primary"])] + [(s["name"], s) for s in result["secondary"]]
-    for i, (_, c) in enumerate(comparisons):
-        if "paired_t" not in c:
-            continue
-        diffs = [a - b for a, b in zip(c["per_seed_x"], c["per_seed_y"])]
-        right.scatter(diffs, [i] * len(diffs), color="0.5", s=12)
-        t = c["paired_t"]
-        right.errorbar(t["mean_diff"], i, xerr=[[t["mean_diff"] - t["ci"][0]], [t["ci"][1] - t["mean_diff"]]],
-                       fmt="D", color="k", capsize=3)  # fmt: skip
-    right.axvline(0, color="k", lw=0.8)
+    _differences_panel(right, comparisons)
     right.set_yticks(range(len(comparisons)), [f"{n} ({c['x']} − {c['y']})" for n, c in comparisons], fontsize=7)
     right.invert_yaxis()
     right.set_xlabel("per-seed difference (points), mean and 95 % t interval")
-    right.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    print(f"plot: {path}")
+    _save(fig, path)
 
 
 def make_replication_plot(runs: dict, result: dict, path: Path) -> None:
@@ -627,37 +641,14 @@ def make_replication_plot(runs: dict, result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1.6]})
-    colors = {"B": "tab:orange", "C": "tab:blue"}
-    for seed in REPLICATION_SEEDS:
-        ys = [(i, runs[(seed, REPLICATION_LAG, a, LR)]["summary"]["heldout_accuracy"]) for i, a in enumerate("BC")
-              if (seed, REPLICATION_LAG, a, LR) in runs]  # fmt: skip
-        left.plot([i for i, _ in ys], [y for _, y in ys], color="0.8", lw=0.8, zorder=1)
-        for i, y in ys:
-            left.scatter(i, y, color=colors["BC"[i]], s=14, zorder=2)
-    if result["untrained_accuracy"] is not None:
-        left.axhline(result["untrained_accuracy"], color="k", ls="--", lw=1, label="untrained")
-        left.legend(fontsize=8)
-    left.set_xticks(range(2), [ARM_NAMES[a] for a in "BC"], fontsize=7, rotation=12)
-    left.set_ylabel(f"held-out accuracy ({HELDOUT_SIZE} items, greedy)")
+    _per_seed_panel(left, runs, ["B", "C"], REPLICATION_LAG, result["untrained_accuracy"])
     left.set_title(f"replication: lag {REPLICATION_LAG}, lr {LR:g}, per seed", fontsize=9)
     comparisons = [("original, seeds 0-5", result["original"]), ("replication, seeds 12-35", result["replication"])]
-    for i, (_, c) in enumerate(comparisons):
-        if "paired_t" not in c:
-            continue
-        diffs = [a - b for a, b in zip(c["per_seed_x"], c["per_seed_y"])]
-        right.scatter(diffs, [i] * len(diffs), color="0.5", s=12)
-        t = c["paired_t"]
-        right.errorbar(t["mean_diff"], i, xerr=[[t["mean_diff"] - t["ci"][0]], [t["ci"][1] - t["mean_diff"]]],
-                       fmt="D", color="k", capsize=3)  # fmt: skip
-    right.axvline(0, color="k", lw=0.8)
+    _differences_panel(right, comparisons)
     right.set_yticks(range(len(comparisons)), [f"{n} (C − B)" for n, _ in comparisons], fontsize=8)
     right.set_ylim(len(comparisons) - 0.4, -0.6)  # top to bottom, half a row of margin
     right.set_xlabel("per-seed held-out accuracy difference, mean and 95 % t interval")
-    right.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    print(f"plot: {path}")
+    _save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------------------------
