@@ -45,7 +45,6 @@ import json
 import math
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -345,7 +344,7 @@ def run_cell(cell: Cell, steps: int, out: Path) -> None:
         print(f"{path} exists: skipped", flush=True)
         return
     torch.set_num_threads(1)
-    meta = provenance(" ".join(["python", *map(shlex.quote, sys.argv)]))
+    meta = provenance()  # the command as typed from the repository root (`command_line`)
     meta["parent_command"] = os.environ.get("STALENESS_V2_RUN_COMMAND")
     meta["threads"] = torch.get_num_threads()
     start = time.time()
