@@ -83,3 +83,22 @@ def async_staleness(r):
     runs = _load("smollm2")
     lags = sorted({k[0] for k in runs})
     return reward_curves(runs, lags)
+
+
+@plot("docs/staleness_replication.png")
+def staleness_replication(r):
+    """The lag-4 replication's held-out accuracy per seed, and the per-seed differences of the original comparison
+    and of the replication (`staleness_experiment.make_replication_plot`, from the run files and `analysis.json`)."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.experiments import staleness_experiment
+
+    from .core import RESULTS
+    from .staleness_replication import _data
+
+    result = _data(r)
+    runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_replication")
+    with tempfile.TemporaryDirectory() as tmp:
+        staleness_experiment.make_replication_plot(runs, result, Path(tmp) / "plot.png")
+        return (Path(tmp) / "plot.png").read_bytes()

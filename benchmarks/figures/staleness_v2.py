@@ -116,12 +116,19 @@ def primary_support(r) -> str:
     """The primary comparison's registered supporting statistics: the sign test, the bootstrap interval and the
     pooled McNemar test with its interval."""
     p = _data(r)["primary"]
-    sign, boot, mc = p["sign_test"], p["bootstrap_ci"], p["mcnemar_pooled"]
+    mc = p["mcnemar_pooled"]
     return (
-        f"C above B in {sign['plus']} seeds, below in {sign['minus']} (exact sign test p = {sign['p']:.2f}); "
-        f"percentile bootstrap interval of the mean difference {boot[0]:+.3f} to {boot[1]:+.3f}; pooled McNemar over "
-        f"{mc['n']} (seed, item) pairs: difference {mc['diff']:+.3f} (95 % CI {mc['ci'][0]:+.3f} to "
-        f"{mc['ci'][1]:+.3f}), p = {mc['p']:.1e}"
+        f"{sign_and_bootstrap(p)}; pooled McNemar over {mc['n']} (seed, item) pairs: difference {mc['diff']:+.3f} "
+        f"(95 % CI {mc['ci'][0]:+.3f} to {mc['ci'][1]:+.3f}), p = {mc['p']:.1e}"
+    )
+
+
+def sign_and_bootstrap(c: dict) -> str:
+    """A seed-level comparison's sign test and percentile bootstrap interval, in words."""
+    sign, boot = c["sign_test"], c["bootstrap_ci"]
+    return (
+        f"{c['x']} above {c['y']} in {sign['plus']} seeds, below in {sign['minus']} (exact sign test p = "
+        f"{sign['p']:.2f}); percentile bootstrap interval of the mean difference {boot[0]:+.3f} to {boot[1]:+.3f}"
     )
 
 
