@@ -184,6 +184,12 @@ def _claim(path: Path, i: int) -> bool:
         return False
 
 
+def _clear_claims() -> None:
+    """Forget the prompt claims of an earlier, interrupted run: once per fresh run, before its workers start."""
+    for claim in RAW.glob("*.claim"):
+        claim.unlink()
+
+
 def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, threads: int, corrections=None) -> None:
     """The prompts of a cell not yet in its results file, each added when it is measured (`_append`); prompts are
     claimed one by one, so that `run --jobs N` workers share a cell."""
@@ -223,27 +229,30 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
 def pilot(threads: int) -> int:
     """The pilot the registration is sized from: 6 prompts of their own seed, the early checkpoint at lag 8."""
     path = OUT / "pilot.json"
+    _clear_claims()
     measure_cell(PILOT["checkpoint"], PILOT["lag"], PILOT["prompts"], PILOT["seed"], path, threads,
                  PILOT["corrections"])  # fmt: skip
     print(f"wrote {path}")
     return 0
 
 
-def run(threads: int, only: str | None, jobs: int = 1) -> int:
-    """The registered cells in order. With `jobs` > 1, that many worker processes share each cell (prompts claimed
-    one by one); the claims of an earlier, interrupted run are cleared first (start one `run` at a time)."""
-    if jobs > 1:
-        for claim in RAW.glob("*.claim"):
-            claim.unlink()
-        command = [sys.executable, "-m", "benchmarks.experiments.gradient_fidelity", "run", "--threads", str(threads)]
-        workers = [subprocess.Popen(command + (["--only", only] if only else []) + ["--worker"], cwd=ROOT)
-                   for _ in range(jobs)]  # fmt: skip
-        return max(worker.wait() for worker in workers)
+def run(threads: int, only: str | None, jobs: int = 1, worker: bool = False) -> int:
+    """The registered cells in order. With `jobs` > 1, that many worker processes (`worker`) share each cell, prompts
+    claimed one by one; a fresh run first clears the claims of an earlier, interrupted one (start one `run` at a
+    time)."""
+    if not worker:
+        _clear_claims()
+        if jobs > 1:
+            command = [sys.executable, "-m", "benchmarks.experiments.gradient_fidelity", "run", "--threads",
+                       str(threads)]  # fmt: skip
+            processes = [subprocess.Popen(command + (["--only", only] if only else []) + ["--worker"], cwd=ROOT)
+                         for _ in range(jobs)]  # fmt: skip
+            return max(process.wait() for process in processes)
     for checkpoint, lag in CELLS:
         if only and f"{checkpoint}_lag{lag}" != only:
             continue
-        count = CONTROL_PROMPTS if lag == 0 else PROMPTS[checkpoint]
-        measure_cell(checkpoint, lag, count, PROMPT_SEED[checkpoint], cell_file(checkpoint, lag), threads)
+        measure_cell(checkpoint, lag, _planned(checkpoint, lag), PROMPT_SEED[checkpoint], cell_file(checkpoint, lag),
+                     threads)  # fmt: skip
     return 0
 
 
@@ -424,10 +433,7 @@ def main() -> int:
     if args.command == "pilot":
         return pilot(args.threads)
     if args.command == "run":
-        if not args.worker:  # a fresh run: claims of an interrupted one are stale
-            for claim in RAW.glob("*.claim"):
-                claim.unlink()
-        return run(args.threads, args.only, 1 if args.worker else args.jobs)
+        return run(args.threads, args.only, args.jobs, args.worker)
     return analyze(args.resamples)
 
 
