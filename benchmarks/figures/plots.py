@@ -44,33 +44,23 @@ def seed_curves(result: dict):
 @plot("docs/async_demo_curves.png")
 def async_demo_curves(r):
     """The logged async demo run's panels, as the recipe's own callback draws them (`plot_curves`)."""
-    import tempfile
-    from pathlib import Path
-
     from hf_rlloss.recipe_support.callbacks import plot_curves
 
     records = [record for record in r("async_demo_metrics.jsonl") if "step" in record]
-    with tempfile.TemporaryDirectory() as tmp:
-        return Path(plot_curves(records, str(Path(tmp) / "curves.png"))).read_bytes()
+    return _png(lambda path: plot_curves(records, str(path)))
 
 
 @plot("docs/staleness_v2.png")
 def staleness_v2(r):
     """Held-out accuracy per seed at the primary lag, and each pre-registered comparison's per-seed differences
     (`benchmarks/experiments/staleness_experiment.py`'s own drawing, from its run files and `analysis.json`)."""
-    import tempfile
-    from pathlib import Path
-
     from benchmarks.experiments import staleness_experiment
 
     from .core import RESULTS
     from .staleness_v2 import _data
 
-    result = _data(r)
     runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_v2")
-    with tempfile.TemporaryDirectory() as tmp:
-        staleness_experiment.make_plot(runs, result, Path(tmp) / "plot.png")
-        return (Path(tmp) / "plot.png").read_bytes()
+    return _png(staleness_experiment.make_plot, runs, _data(r))
 
 
 @plot("docs/async_staleness.png")
@@ -89,16 +79,21 @@ def async_staleness(r):
 def staleness_replication(r):
     """The lag-4 replication's held-out accuracy per seed, and the per-seed differences of the original comparison
     and of the replication (`staleness_experiment.make_replication_plot`, from the run files and `analysis.json`)."""
-    import tempfile
-    from pathlib import Path
-
     from benchmarks.experiments import staleness_experiment
 
     from .core import RESULTS
     from .staleness_replication import _data
 
-    result = _data(r)
     runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_replication")
+    return _png(staleness_experiment.make_replication_plot, runs, _data(r))
+
+
+def _png(draw, *args) -> bytes:
+    """The image `draw(*args, path)` saves at `path`, read back (an experiment's own drawing of its results)."""
+    import tempfile
+    from pathlib import Path
+
     with tempfile.TemporaryDirectory() as tmp:
-        staleness_experiment.make_replication_plot(runs, result, Path(tmp) / "plot.png")
-        return (Path(tmp) / "plot.png").read_bytes()
+        path = Path(tmp) / "plot.png"
+        draw(*args, path)
+        return path.read_bytes()

@@ -12,7 +12,7 @@ import functools
 
 from ._aggregates import aggregate, recompute
 from .core import figure, table
-from .staleness_v2 import sign_and_bootstrap
+from .staleness_v2 import folder_stamps, sign_and_bootstrap
 
 ANALYSIS = "staleness_replication/analysis.json"
 
@@ -27,10 +27,6 @@ def _analysis(folder: str, original: str, stamps: tuple) -> dict:
     return exp.replication_analysis(exp.load_runs(Path(folder))[0], original_runs, untrained)
 
 
-def _stamps(folder) -> tuple:
-    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.glob("*.json")))
-
-
 @aggregate("staleness_replication/analysis", block=None)
 def recomputed_analysis(data: dict, name: str) -> dict:
     """The registered test and the descriptives, recomputed from the replication's run files and the accuracy
@@ -38,7 +34,7 @@ def recomputed_analysis(data: dict, name: str) -> dict:
     from .core import RESULTS
 
     folder, original = (RESULTS / name).parent, RESULTS / "staleness_v2"
-    return _analysis(str(folder), str(original), _stamps(folder) + _stamps(original))
+    return _analysis(str(folder), str(original), folder_stamps(folder) + folder_stamps(original))
 
 
 def _data(r) -> dict:

@@ -30,8 +30,12 @@ def recomputed_analysis(data: dict, name: str) -> dict:
     from .core import RESULTS
 
     folder = (RESULTS / name).parent
-    stamps = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.glob("*.json")))
-    return _analysis(str(folder), stamps)
+    return _analysis(str(folder), folder_stamps(folder))
+
+
+def folder_stamps(folder) -> tuple:
+    """The name, mtime and size of each JSON file in `folder`: a cache key that changes when a run file does."""
+    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.glob("*.json")))
 
 
 def _data(r) -> dict:
