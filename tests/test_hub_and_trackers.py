@@ -5,6 +5,7 @@ One smoke-recipe run (`recipes/grpo.py`, single process, `report_to: [tensorboar
 by the tests of this module.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ from hf_rlloss import GRPOLossConfig, RLLossGRPOConfig, RLLossGRPOTrainer
 from hf_rlloss.recipe_support.assets import SMOLLM2, TINY, hub_origin
 from hf_rlloss.recipe_support.callbacks import RunSummaryCallback
 from hf_rlloss.trainer.common.model_card import complete_model_card, is_hub_repo_id, loss_config_from_card
+from hf_rlloss.trainer.common.transformers_compat import RENAMED_CHECKPOINTING
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "recipes/tiny/arithmetic/config_smoke.yaml"
@@ -271,6 +273,36 @@ def test_activation_checkpointing_defaults_without_warning_and_old_name_still_wo
         warnings.simplefilter("error", FutureWarning)
         default = RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     assert default.activation_checkpointing is True and default.gradient_checkpointing is True  # TRL's default
-    with pytest.warns(FutureWarning, match="`gradient_checkpointing` is deprecated"):
+    # the old name warns where transformers renamed it (5.23); before that it is the current name
+    renamed = pytest.warns(FutureWarning, match="`gradient_checkpointing` is deprecated")
+    with renamed if RENAMED_CHECKPOINTING else contextlib.nullcontext():
         old = RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=False)
     assert old.activation_checkpointing is False and old.gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("config_class", ["sync", "async"])
+def test_the_new_checkpointing_names_reach_the_names_transformers_reads_on_every_release(tmp_path, config_class):
+    from hf_rlloss import RLLossAsyncGRPOConfig
+
+    cls = RLLossGRPOConfig if config_class == "sync" else RLLossAsyncGRPOConfig
+    kwargs = {"use_reentrant": False}
+    args = cls(
+        output_dir=str(tmp_path), use_cpu=True, activation_checkpointing=False, activation_checkpointing_kwargs=kwargs
+    )
+    assert args.gradient_checkpointing is False and args.activation_checkpointing is False
+    assert args.gradient_checkpointing_kwargs == kwargs and args.activation_checkpointing_kwargs == kwargs
+    on = cls(output_dir=str(tmp_path), use_cpu=True, activation_checkpointing=True)
+    assert on.gradient_checkpointing is True and on.activation_checkpointing is True
+
+
+def test_checkpointing_toggles_through_one_name_on_every_release():
+    from hf_rlloss.trainer.common.engines import activation_checkpointing_disabled
+    from hf_rlloss.trainer.common.transformers_compat import enable_checkpointing, is_checkpointing
+
+    model = make_model(make_tokenizer())
+    assert not is_checkpointing(model)
+    enable_checkpointing(model, {"use_reentrant": False})
+    assert is_checkpointing(model)
+    with activation_checkpointing_disabled(model, {"use_reentrant": False}):
+        assert not is_checkpointing(model)
+    assert is_checkpointing(model)

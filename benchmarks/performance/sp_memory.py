@@ -49,6 +49,7 @@ def worker(cli) -> None:
         ulysses_sequence_parallel,
     )
     from hf_rlloss.trainer.common.packing import pack_rows
+    from hf_rlloss.trainer.common.transformers_compat import enable_checkpointing
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -75,7 +76,7 @@ def worker(cli) -> None:
     model = Qwen2ForCausalLM(config).to(device)
     model.set_attn_implementation(register_ulysses_attention() if mesh is not None else "sdpa")
     if cli.grad_ckpt:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, {"use_reentrant": False})
     model.train()
 
     # one micro-batch of `seqs` sequences of tokens/seqs tokens each (a 128-token prompt, the rest completion)

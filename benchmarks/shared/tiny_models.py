@@ -19,6 +19,8 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from hf_rlloss.trainer.common.transformers_compat import checkpointing_argument  # noqa: E402
+
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
@@ -104,7 +106,7 @@ BASE_ARGS = dict(
     per_device_train_batch_size=4,
     num_generations=4,
     max_completion_length=8,
-    activation_checkpointing=False,
+    **checkpointing_argument(False),  # its name in a stock TRL config of the installed transformers
     logging_steps=1,
     save_strategy="no",
     learning_rate=1e-3,

@@ -22,6 +22,12 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
 from .async_.staleness import check_weight_lag
 from .common.routing_replay import ROUTING_REPLAY_MODES
+from .common.transformers_compat import (
+    RENAMED_CHECKPOINTING,
+    checkpointing_field,
+    to_new_checkpointing_names,
+    to_old_checkpointing_names,
+)
 from .grpo_config import parse_rl_loss, refuse_quantized_loading, validate_rl_loss
 
 __all__ = [
@@ -188,6 +194,11 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
             "group's std), 'batch' (the worker batch's std) or 'none'."
         },
     )
+    if not RENAMED_CHECKPOINTING:  # transformers < 5.23: the new names declared here (transformers_compat)
+        activation_checkpointing: bool | None = checkpointing_field("activation_checkpointing")
+        activation_checkpointing_kwargs: dict[str, Any] | str | None = checkpointing_field(
+            "activation_checkpointing_kwargs"
+        )
     allow_uncorrected_staleness: bool = field(
         default=False,
         metadata={
@@ -233,7 +244,9 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards={self.scale_rewards!r}: allowed values are {SCALE_REWARDS} (or a bool)")
+        to_old_checkpointing_names(self)
         super().__post_init__()
+        to_new_checkpointing_names(self)
         check_weight_lag(0, self)
         refuse_quantized_loading(self.model_init_kwargs)
         self.rl_loss = parse_rl_loss(self.rl_loss)

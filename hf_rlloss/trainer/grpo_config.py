@@ -24,8 +24,14 @@ from pydantic import ValidationError
 from trl import GRPOConfig
 
 from ..loss.config import BaseRLLossConfig, GRPOLossConfig
-from .common.packing import PACKING_MODES
+from .common.packing import PACKING_CHOICES
 from .common.routing_replay import ROUTING_REPLAY_MODES
+from .common.transformers_compat import (
+    RENAMED_CHECKPOINTING,
+    checkpointing_field,
+    to_new_checkpointing_names,
+    to_old_checkpointing_names,
+)
 from .sync.vllm import check_vllm_config
 
 logger = logging.getLogger(__name__)
@@ -317,9 +323,11 @@ class RLLossGRPOConfig(GRPOConfig):
             consecutive one raises `FloatingPointError` (see `hf_rlloss.trainer.sync.nonfinite_guard`). Not under
             DeepSpeed.
 
-        packing (`str`, *optional*, defaults to `"shared_prefix"`):
+        packing (`str`, *optional*, defaults to `"auto"`):
             The layout of the training forwards (the loss forward, the old and reference log-prob passes,
-            evaluation); generation is unchanged. `"shared_prefix"`: each micro-batch as one row in which every common
+            evaluation). `"auto"`: `"shared_prefix"`, except on CUDA without flash-attn's varlen kernel (or without
+            bf16/fp16), where it is `"off"` (`hf_rlloss.trainer.common.packing.packing_for_device` says why, and the
+            choice is logged). `"shared_prefix"`: each micro-batch as one row in which every common
             prefix (a prompt and its G completions) is forwarded once, attended segment by segment so that each token
             sees exactly its own sequence; `"padding_free"`: each sequence without padding, prompts repeated;
             `"off"`: the padded batch, as TRL. All three give the same update (to float round-off); a model or batch
@@ -412,10 +420,16 @@ class RLLossGRPOConfig(GRPOConfig):
     # v6). TRL 1.16 defaults the old name to True, which warns on every construction; here it defaults to None and
     # `__post_init__` gives TRL's default to the new name, so only a user who sets the old name is warned. The old
     # name keeps working: transformers copies it to the new one, then mirrors the new one back (TRL reads the old).
+    # On transformers < 5.23 the new names are declared here (transformers_compat), the old ones are the current ones.
     gradient_checkpointing: bool | None = field(
         default=None,
         metadata={"help": "Deprecated alias of activation_checkpointing (which defaults to True here, as in TRL)."},
     )
+    if not RENAMED_CHECKPOINTING:
+        activation_checkpointing: bool | None = checkpointing_field("activation_checkpointing")
+        activation_checkpointing_kwargs: dict[str, Any] | str | None = checkpointing_field(
+            "activation_checkpointing_kwargs"
+        )
     sp_size: int = field(
         default=1,
         metadata={
@@ -435,12 +449,13 @@ class RLLossGRPOConfig(GRPOConfig):
     )
 
     packing: str = field(
-        default="shared_prefix",
+        default="auto",
         metadata={
-            "help": "Layout of the training forwards: 'shared_prefix' (each common prefix, e.g. a prompt shared by "
-            "its G completions, forwarded once; no padding), 'padding_free' (no padding, prompts repeated) or 'off' "
-            "(padded, as TRL). Exact in every mode; see docs/packing.md.",
-            "choices": list(PACKING_MODES),
+            "help": "Layout of the training forwards: 'auto' (shared_prefix, except on CUDA without flash-attn's "
+            "varlen kernel: off), 'shared_prefix' (each common prefix, e.g. a prompt shared by its G completions, "
+            "forwarded once; no padding), 'padding_free' (no padding, prompts repeated) or 'off' (padded, as TRL). "
+            "Exact in every mode; see docs/packing.md.",
+            "choices": list(PACKING_CHOICES),
         },
     )
 
@@ -470,8 +485,8 @@ class RLLossGRPOConfig(GRPOConfig):
     def __post_init__(self):
         if not isinstance(self.skip_nonfinite_grad_steps, int) or self.skip_nonfinite_grad_steps < 0:
             raise ValueError(f"skip_nonfinite_grad_steps={self.skip_nonfinite_grad_steps!r} must be an integer >= 0")
-        if self.packing not in PACKING_MODES:
-            raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
+        if self.packing not in PACKING_CHOICES:
+            raise ValueError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_CHOICES))}")
         self._check_routing_replay()
         if not isinstance(self.shared_prompt_generation, bool):
             raise ValueError(f"shared_prompt_generation={self.shared_prompt_generation!r} must be true or false")
@@ -496,8 +511,10 @@ class RLLossGRPOConfig(GRPOConfig):
             )
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default, under the current name (no FutureWarning)
+        to_old_checkpointing_names(self)
         user_bf16 = self.bf16
         super().__post_init__()
+        to_new_checkpointing_names(self)
         mismatch = precision_mismatch_warning(
             user_bf16, self.fp16, self.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION")
         )

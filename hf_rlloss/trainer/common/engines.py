@@ -24,6 +24,8 @@ from torch.distributed.fsdp import FSDPModule
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer.utils import create_model_from_path, disable_dropout_in_model
 
+from .transformers_compat import disable_checkpointing, enable_checkpointing, is_checkpointing
+
 __all__ = [
     "activation_checkpointing_disabled",
     "call_through_wrapper",
@@ -39,14 +41,14 @@ __all__ = [
 @contextlib.contextmanager
 def activation_checkpointing_disabled(model: nn.Module, kwargs: dict | None) -> Iterator[None]:
     """TRL's `disable_gradient_checkpointing` with transformers 5's names (the `gradient_checkpointing*` ones warn)."""
-    was_enabled = model.is_activation_checkpointing
+    was_enabled = is_checkpointing(model)
     if was_enabled:
-        model.activation_checkpointing_disable()
+        disable_checkpointing(model)
     try:
         yield
     finally:
         if was_enabled:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            enable_checkpointing(model, kwargs)
 
 
 def is_zero3_partitioned(model: nn.Module) -> bool:
