@@ -606,8 +606,9 @@ class _ChunkedObjective(torch.autograd.Function):
                 "the chunked loss computes its gradients during the forward and hands them over once: backward "
                 "through it a second time (retain_graph=True) is not supported; compute the loss again instead"
             )
-        if not bool(grad_output == 1):  # a loss scale: the usual case is loss.backward() on this value directly
-            grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
+        # × the incoming gradient (1 for loss.backward() on this value: exact), unconditionally: testing for 1 would
+        # read it back to the host in every backward
+        grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
         return *grads, None, None, None
 
 

@@ -577,17 +577,22 @@ class GRPOLossContext(BaseRLLossContext):
             for ctx, seq_counts in zip(contexts, counts):
                 ctx._fold_rollout_is_per_sequence(seq_counts)
 
-        local_tokens = sum(float(ctx.mask.sum()) for ctx in contexts)
+        device = contexts[0].mask.device
+        ctx_tokens = torch.stack([ctx.mask.sum() for ctx in contexts]).double()  # (micro-batches,)
         # Sequences live on every rank of their SP group: count them once, on its first rank. `flat_counts` has one
         # entry per sequence (SP padding, seq_id -1, is none), already summed over the SP shards.
-        step_sequences = len(flat_counts) if cfg.count_empty_sequences else int((flat_counts > 0).sum())
-        local_sequences = float(step_sequences) if sp_rank(sp_mesh) == 0 else 0.0
-        totals = torch.tensor([local_tokens, local_sequences], dtype=torch.float64, device=contexts[0].mask.device)
+        step_sequences = (
+            torch.full((), len(flat_counts), dtype=torch.float64, device=device)
+            if cfg.count_empty_sequences
+            else (flat_counts > 0).sum().double()
+        )
+        local_sequences = step_sequences if sp_rank(sp_mesh) == 0 else torch.zeros_like(step_sequences)
+        totals = torch.stack([ctx_tokens.sum(), local_sequences])
         all_reduce(totals, group=process_group)
-        global_tokens, global_sequences = totals.tolist()
+        global_tokens, global_sequences, *ctx_tokens = torch.cat([totals, ctx_tokens]).tolist()  # one host read
         grad_scale = grad_averaging_size if grad_averaging_size is not None else world_size(process_group)
 
-        for ctx, seq_counts in zip(contexts, counts):
+        for ctx, seq_counts, tokens in zip(contexts, counts, ctx_tokens):
             kwargs = ctx.loss_kwargs
             weights = step_fraction * aggregation_weights(
                 ctx.mask,
@@ -608,7 +613,7 @@ class GRPOLossContext(BaseRLLossContext):
             ctx.grad_scale = float(grad_scale)
             ctx.process_group = process_group
             # TRL's entropy bonus: a per-micro-batch token mean over the step's micro-batches (after × grad_scale)
-            ctx.entropy_scale = step_fraction / (len(contexts) * max(float(ctx.mask.sum()), 1.0) * float(grad_scale))
+            ctx.entropy_scale = step_fraction / (len(contexts) * max(tokens, 1.0) * float(grad_scale))
             # TRL logs a sequence-aggregated micro-batch's own loss (its share × the step's micro-batches), and under
             # token-mean (dapo, cispo, vespo) its share of the step's loss
             sequence_agg = cfg.agg_mode != "token-mean"
@@ -642,11 +647,11 @@ class GRPOLossContext(BaseRLLossContext):
     def _sequence_token_counts(contexts: list[BaseRLLossContext]) -> torch.Tensor:
         """`(Σ S,)` float64: the valid tokens of each whole sequence of every micro-batch, in order; a sequence split
         over SP ranks is counted on all of its shards (one all-reduce over the SP group)."""
+        # every token added with its mask as weight (a masked token, seq_id -1 on SP padding, adds 0 to sequence 0):
+        # no data-dependent shape, no host read
         counts = [
             torch.zeros(ctx.loss_kwargs.num_sequences, dtype=torch.float64, device=ctx.mask.device).index_add_(
-                0,
-                ctx.loss_kwargs.seq_ids[ctx.mask],
-                torch.ones((), dtype=torch.float64, device=ctx.mask.device).expand(int(ctx.mask.sum())),
+                0, ctx.loss_kwargs.seq_ids.clamp(min=0).reshape(-1), ctx.mask.reshape(-1).double()
             )
             for ctx in contexts
         ]
@@ -715,20 +720,16 @@ class GRPOLossContext(BaseRLLossContext):
     def _handle_nonfinite(self, index: int) -> None:
         kwargs = self.loss_kwargs
         mask = self.mask
-        bad = torch.zeros_like(mask)
-        for name in CHECKED_FOR_NONFINITE:
-            value = getattr(kwargs, name)
-            if value is None:
-                continue
-            field_bad = mask & ~torch.isfinite(value)
-            count = int(field_bad.sum())
-            if count and self.loss_cfg.nonfinite_inputs == "error":
+        names = [name for name in CHECKED_FOR_NONFINITE if getattr(kwargs, name) is not None]
+        fields_bad = [mask & ~torch.isfinite(getattr(kwargs, name)) for name in names]  # each (B, T)
+        bad = torch.stack(fields_bad).any(dim=0) if fields_bad else torch.zeros_like(mask)
+        *field_counts, count = torch.stack([*(b.sum() for b in fields_bad), bad.sum()]).tolist()  # one host read
+        for name, field_count in zip(names, field_counts):
+            if field_count and self.loss_cfg.nonfinite_inputs == "error":
                 raise ValueError(
-                    f"{name} of {self._name(index)} has {count} non-finite value(s) at valid tokens "
+                    f"{name} of {self._name(index)} has {int(field_count)} non-finite value(s) at valid tokens "
                     "(set nonfinite_inputs='mask' to drop such tokens instead)"
                 )
-            bad |= field_bad
-        count = int(bad.sum())
         if count:  # mask mode
             self._drop_tokens(bad)
         self.pending_metrics = accumulate_metrics(

@@ -552,17 +552,35 @@ def reduce_micro_batches(
     key missing from one counting as its neutral value there).
     """
     present = [spec for key, spec in METRICS.items() if any(key in mb for mb in micro_batches)]
-    reduced: list[dict[str, float]] = [{} for _ in micro_batches]
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    packs = []
     for kind in Reduction:
         keys = [spec.key for spec in present if spec.reduction is kind]
         if not keys:
             continue
-        rows = [[float(mb.get(key, _IDENTITY[kind])) for key in keys] for mb in micro_batches]
-        packed = torch.tensor(rows, dtype=torch.float64, device=device)  # (micro-batches, keys)
+        # built on the device from the accumulators as they are (0-d tensors or numbers): no host read per metric
+        rows = [torch.stack([_scalar(mb.get(key, _IDENTITY[kind]), target) for key in keys]) for mb in micro_batches]
+        packed = torch.stack(rows)  # (micro-batches, keys)
         all_reduce(packed, _OPS[kind], group)
-        for out, row in zip(reduced, packed.tolist()):
-            out.update(zip(keys, row))
+        packs.append((keys, packed))
+    reduced: list[dict[str, float]] = [{} for _ in micro_batches]
+    if not packs:
+        return reduced
+    values = torch.cat([packed.flatten() for _, packed in packs]).tolist()  # the step's one read back to the host
+    start = 0
+    for keys, _ in packs:
+        for out in reduced:
+            out.update(zip(keys, values[start : start + len(keys)]))
+            start += len(keys)
     return reduced
+
+
+def _scalar(value: Any, device: torch.device) -> torch.Tensor:  # () float64 on `device`
+    """A metric accumulator as a float64 scalar on `device`: a tensor is moved (a no-op where it already is), a Python
+    number filled in on the device (no host-to-device copy)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def trl_micro_batch_metrics(reduced: Mapping[str, float]) -> dict[str, float]:

@@ -12,6 +12,7 @@ over all SP shards); at TRL's token level a mean is over tokens, at its sequence
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ def finish(
     device = seq_counts.device
     rows = float(num_sequences) if sp_rank(sp_mesh) == 0 else 0.0
     metrics[TRL_UNITS] = torch.tensor(rows if seq_level else float(num_tokens), dtype=torch.float64, device=device)
-    empty_rows = float((seq_counts == 0).sum()) if sp_rank(sp_mesh) == 0 else 0.0
+    empty_rows = (seq_counts == 0).sum().double() if sp_rank(sp_mesh) == 0 else 0.0  # a tensor: no host read
     if cfg.policy_loss_cfg.spec.trl_metrics == "vespo":
         # TRL's row without a valid token (e.g. masked by `mask_truncated_completions`) has w = 1, so φ = 1
         metrics[TRL + "phi_seq_sum"] = metrics[TRL + "phi_seq_sum"] + empty_rows
@@ -116,8 +117,9 @@ def finish(
     # TRL's token level skips sequences without a valid token (NaN, then nanmin); its sequence level keeps every row
     # (ratio 1 there: not clipped, a share of 0)
     present = seq_counts > 0 if not seq_level else torch.ones_like(seq_counts, dtype=torch.bool)
-    shares = counts[:, present] / seq_counts[present].double().clamp(min=1)
-    if shares.shape[1]:
-        metrics[TRL + "clip_low_seq_min"] = shares[0].min()
-        metrics[TRL + "clip_high_seq_max"] = shares[1].max()
+    shares = counts / seq_counts.double().clamp(min=1)  # (2, S)
+    # the extrema over the present sequences, ±inf (the reductions' neutral values, not logged) when there is none:
+    # masked in place, not indexed, so that no shape depends on the data
+    metrics[TRL + "clip_low_seq_min"] = torch.where(present, shares[0], math.inf).min()
+    metrics[TRL + "clip_high_seq_max"] = torch.where(present, shares[1], -math.inf).max()
     return metrics

@@ -20,20 +20,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUERY_BLOCK", "TREE_SDPA_ATTENTION", "register_tree_attention", "tree_attention_forward", "tree_attention"]
+__all__ = [
+    "QUERY_BLOCK",
+    "TREE_SDPA_ATTENTION",
+    "flash_varlen_kernel",
+    "register_tree_attention",
+    "tree_attention_forward",
+    "tree_attention",
+]
 
 TREE_SDPA_ATTENTION = "tree_sdpa"
 # Query rows per SDPA call inside one segment: bounds the boolean mask at QUERY_BLOCK × path length.
 QUERY_BLOCK = 1024
 
 
-def _flash_varlen():
+def flash_varlen_kernel():
     """`flash_attn_varlen_func` when the `flash_attn` package is importable, else `None`."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
     return flash_attn_varlen_func
+
+
+def _varlen_kernel_for(query: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None):
+    """flash-attn's varlen kernel where it can take this attention (CUDA, bf16/fp16, no softcapping, no sinks), else
+    `None` (the SDPA path). It takes the whole packed row in one call per layer, with the segment bounds and their
+    maxima as the layout computed them once per micro-batch: no host sync inside the model."""
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if not (query.is_cuda and half and softcap is None and sinks is None):
+        return None
+    return flash_varlen_kernel()
 
 
 def _segment_sdpa(
@@ -164,7 +181,7 @@ def tree_attention_forward(
         raise ValueError(f"tree attention takes one packed row, got a batch of {query.shape[0]}")
     if dropout and module.training:
         raise ValueError(f"tree attention does not implement attention dropout (got {dropout})")
-    flash = _flash_varlen() if query.is_cuda and softcap is None and s_aux is None else None
+    flash = _varlen_kernel_for(query, softcap, s_aux)
     if flash is not None:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
         out = flash(

@@ -36,7 +36,7 @@ from .common.lm_head import (
 )
 from .common.multimodal import SP_REFUSAL
 from .common.overrides import overridden, trl_deprecated_aliases_silenced
-from .common.packing import prepare_packing
+from .common.packing import packing_for_device, prepare_packing
 from .common.routing_replay import RoutingReplayTrainer
 from .common.sp_batch import pool_over_group
 from .grpo_config import RLLossGRPOConfig
@@ -286,6 +286,10 @@ class RLLossGRPOTrainer(
         """`self._packing`, the layout of the training forwards (`args.packing` unless it cannot be exact for this
         model, logged), and the policy on the `"tree_or_<its attention>"` attention when a layout is packed."""
         mode, reason = args.packing, None
+        if mode == "auto":
+            half = bool(args.bf16 or args.fp16 or getattr(unwrapped, "dtype", None) in (torch.bfloat16, torch.float16))
+            mode, why = packing_for_device(self.accelerator.device, half)
+            logger.info(f"packing='auto' -> {mode!r}: {why}")
         if mode == "off" or self.sp_mesh is not None:
             mode = "off"  # under SP every micro-batch is packed, as args.packing says, by _sp_layout (SPMicroBatch)
         elif self._is_vlm:

@@ -310,10 +310,11 @@ class LossLayerForwards:
 
     def _sp_layout(self, batch: dict[str, Any]) -> PackedLayout:
         """The packed row of a micro-batch under sequence parallelism, which always shards a packed row:
-        `args.packing`'s layout (`"off"` packs padding-free, as SP did before `packing` existed); a batch that
+        `args.packing`'s layout (`"off"` packs padding-free, as SP did before `packing` existed; `"auto"` shares
+        prefixes); a batch that
         `layout_fallback_reason` rejects is packed padding-free (a row without prompt: its first token is not
         predicted), logged once per reason where that changes the layout."""
-        mode = "padding_free" if self.args.packing == "off" else self.args.packing
+        mode = {"off": "padding_free", "auto": "shared_prefix"}.get(self.args.packing, self.args.packing)
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
         completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
         reason = layout_fallback_reason(prompt_mask, completion_mask)

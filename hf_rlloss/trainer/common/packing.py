@@ -34,8 +34,10 @@ from transformers.utils import logging
 from ...loss.metrics import Reduction, register_finalizer, register_metric
 from ...parallel.layouts import attention_dropout, model_layouts, resolve_packing, zero_attention_dropout
 from ...parallel.packed_attention import use_packed_attention
+from ...parallel.tree_attention import flash_varlen_kernel
 
 __all__ = [
+    "PACKING_CHOICES",
     "PACKING_MODES",
     "PackedLayout",
     "PackedRows",
@@ -44,6 +46,7 @@ __all__ = [
     "pack_padding_free",
     "pack_rows",
     "pack_shared_prefix",
+    "packing_for_device",
     "packing_metrics",
     "prepare_packing",
     "tree_positions",
@@ -52,6 +55,31 @@ __all__ = [
 logger = logging.get_logger(__name__)
 
 PACKING_MODES = ("shared_prefix", "padding_free", "off")
+#: What `RLLossGRPOConfig.packing` accepts: a layout, or `"auto"` (the default; `packing_for_device` chooses).
+PACKING_CHOICES = ("auto", *PACKING_MODES)
+
+
+def packing_for_device(device: torch.device | str, half_precision: bool, flash_varlen: bool | None = None):
+    """The layout `packing="auto"` trains with on `device`, and why: `(mode, reason)`.
+
+    * not CUDA: `"shared_prefix"`, each prompt forwarded once (docs/packing.md measures it on CPUs);
+    * CUDA with flash-attn's varlen kernel and bf16/fp16 weights or autocast: `"shared_prefix"`, the packed row in
+      one kernel call per layer;
+    * CUDA otherwise: `"off"`, TRL's padded forward, one batched attention call per layer. Without the varlen kernel
+      a packed row is attended segment by segment (`tree_attention`): one SDPA call per segment and layer, which on a
+      GPU means many small kernel launches (benchmarks/performance/cuda_proxies.py counts them).
+
+    `flash_varlen` defaults to whether `flash_attn` imports.
+    """
+    if torch.device(device).type != "cuda":
+        return "shared_prefix", "not on CUDA: every common prefix forwarded once, attended segment by segment"
+    if flash_varlen is None:
+        flash_varlen = flash_varlen_kernel() is not None
+    if flash_varlen and half_precision:
+        return "shared_prefix", "on CUDA with flash-attn's varlen kernel: the packed row in one call per layer"
+    why = "flash-attn's varlen kernel is not installed" if not flash_varlen else "it runs in bf16/fp16 only"
+    return "off", f"on CUDA {why}: the padded forward (TRL's), one batched attention call per layer"
+
 
 # The packing metrics: accumulated as sums over the step's micro-batches and ranks (declared without a logged name,
 # so they stay out of the loss layer's metrics table), and logged by `_log_packing_metrics` below.
