@@ -1,27 +1,34 @@
-"""`make gpu-check`: the GPU checks on a machine with one CUDA GPU, in about 8 minutes, each result recorded with its
-provenance under `benchmarks/results/gpu/`.
+"""`make gpu-check`: the GPU checks on one CUDA GPU, within 10 minutes, each result recorded with its provenance under
+`benchmarks/results/gpu/`.
 
-    python scripts/gpu_check.py              # run the plan (without a CUDA device: say so, print the plan, exit 0)
+    python scripts/gpu_check.py              # run the plan on CUDA (no GPU anywhere: say so, print the plan, exit 0)
     python scripts/gpu_check.py --dry-run    # print the plan and parse each step's command with its own parser
-    python scripts/gpu_check.py --only loss_step_cuda demo_step_cuda
+    python scripts/gpu_check.py --only loss_step_h1536 gpu_step
+    python scripts/gpu_check.py --device cpu --results DIR    # the rehearsal: every step's code at tiny sizes on CPU
 
-The plan (:func:`plan`), one subprocess per step, in this order:
+The plan (:func:`plan`), one subprocess per step, in priority order:
 
 1. `cuda_tests`: the CUDA tests (`pytest -m gpu tests/test_gpu.py`): the chunked loss on CUDA against the CPU path,
-   bf16, and the asynchronous trainer configured as TRL against stock TRL on CUDA;
-2. `loss_step_cuda`: the loss step from hidden states against TRL's chunked kernel and naive logits, bf16, on CUDA
-   (`python -m benchmarks.performance.loss_step`);
-3. `demo_step_cuda`: whole optimizer steps of the demo on the GPU (`config_demo_gpu.yaml`), `RLLossGRPOTrainer`
-   against stock `GRPOTrainer` (`python -m benchmarks.performance.train_step --demo`);
-4. `vllm_colocate_cuda`: `RLLossGRPOTrainer` and stock `GRPOTrainer` sampling with a colocated vLLM engine on the GPU
-   (`scripts/gpu_vllm_colocate.py`); skipped, saying why, when the Python that runs it cannot import vLLM
-   (`--vllm-python` names another environment's).
+   both trainers configured as TRL against stock TRL on CUDA (the synchronous one with fixed completions, fp32 and
+   bf16, packing `auto`, `off` and `shared_prefix`);
+2. `loss_step_h1536`, `loss_step_h3584`: the loss step from hidden states at hidden size 1,536 and 3,584, 16,384
+   tokens, 151,936-token vocabulary, bf16, against TRL's chunked kernel and the three-GEMM floor
+   (`benchmarks/performance/loss_step.py`);
+3. `gpu_step`: whole optimizer steps of a randomly initialised 0.5B-class Qwen2 in bf16 on 512-token fixed
+   completions, `RLLossGRPOTrainer` against stock `GRPOTrainer`, 3 interleaved repeats of 6 synchronized steps
+   (`benchmarks/performance/gpu_step.py`);
+4. `vllm_colocate_cuda`: both trainers, configured alike, sampling with a colocated vLLM engine
+   (`scripts/gpu_vllm_colocate.py`), and the ratio of their step times; skipped, saying why, when the Python that runs
+   it cannot import vLLM (`scripts/install_vllm_cuda.sh` installs it beside the package).
 
-Each step writes `benchmarks/results/gpu/<step>.json`: the step's own output under `result`, its exit code, wall time
-and log tail, and `meta`: the git commit (and whether the tree had changes), the versions of torch, transformers,
-TRL, accelerate and vLLM, the GPU, its driver and CUDA, the CPU, the load average before and after, the date and the
-exact command. `summary.json` lists the steps and their status. A step that runs out of the time budget is stopped
-and recorded as such.
+What makes the numbers count: one GPU pinned (`CUDA_VISIBLE_DEVICES`, TRL's synchronous trainer refuses several under
+a plain `python`); a GPU that `nvidia-smi` lists but torch cannot use fails the check; a step that runs out of time
+is killed with every process it started; a step's raw output is deleted before it runs, so a failed step never reports
+an older run's file; the steps' caps add up to the budget. Each step writes `benchmarks/results/gpu/<step>.json`: the
+step's own output under `result`, its exit code, wall time and log tail, and `meta`: the git commit (and whether the
+tree had changes), the versions of torch, transformers, TRL, accelerate and vLLM, the GPU, its driver and CUDA, the
+CPU, the load average before and after, the date and the exact command. `summary.json` lists the steps and their
+status.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"
 WORK = ROOT / "outputs" / "gpu-check"  # logs and the steps' raw outputs (git-ignored)
 DEMO_GPU_CONFIG = "recipes/smollm2_135m/arithmetic/config_demo_gpu.yaml"
-BUDGET_S = 480
+DEVICES = ("cuda", "cpu")  # cpu: the rehearsal, tiny sizes
 
 
 @dataclass(frozen=True)
@@ -62,12 +70,57 @@ class Step:
     env: dict = field(default_factory=dict)
 
 
-def plan(work: Path = WORK) -> list[Step]:
-    """The steps `make gpu-check` runs, in order."""
+# Each step's sizes on CUDA and in the CPU rehearsal.
+SIZES = {
+    "cuda": {"tokens": "16384", "vocab": "151936", "hidden": ("1536", "3584"), "loss_repeats": "3",
+             "model": "qwen2_0.5b_random", "length": "512", "steps": "6", "repeats": "3", "vllm_steps": "3"},
+    "cpu": {"tokens": "256", "vocab": "1024", "hidden": ("64", "96"), "loss_repeats": "1",
+            "model": "tiny", "length": "16", "steps": "2", "repeats": "1", "vllm_steps": "1"},
+}  # fmt: skip
+
+
+def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
+    """The steps `make gpu-check` runs on `device`, in priority order (the budget spent, the rest are not run)."""
+    size = SIZES[device]
+    dtype = "bf16" if device == "cuda" else "fp32"
+    loss_steps = [
+        Step(
+            f"loss_step_h{hidden_cuda}",
+            f"the loss step against TRL's chunked kernel, {dtype}, hidden size {hidden}, {size['tokens']} tokens x "
+            f"{size['vocab']} vocabulary",
+            (
+                "python",
+                "-m",
+                "benchmarks.performance.loss_step",
+                "--device",
+                device,
+                "--dtype",
+                dtype,
+                "--tokens",
+                size["tokens"],
+                "--vocab",
+                size["vocab"],
+                "--hidden",
+                hidden,
+                "--methods",
+                "hf_rlloss",
+                "trl_chunked",
+                "gemm_floor",
+                "--repeats",
+                size["loss_repeats"],
+                "--out",
+                str(work / f"loss_step_h{hidden_cuda}.json"),
+            ),
+            "benchmarks/performance/loss_step.py",
+            f"loss_step_h{hidden_cuda}.json",
+            (60, 90)[i],
+        )  # fmt: skip
+        for i, (hidden, hidden_cuda) in enumerate(zip(size["hidden"], SIZES["cuda"]["hidden"]))
+    ]
     return [
         Step(
             "cuda_tests",
-            "the CUDA tests (tests/test_gpu.py)",
+            "the CUDA tests (tests/test_gpu.py): the chunked loss, both trainers against stock TRL",
             (
                 "python",
                 "-m",
@@ -84,66 +137,57 @@ def plan(work: Path = WORK) -> list[Step]:
             "pytest",
             "cuda_tests.xml",
             150,
+            env={"HF_RLLOSS_GPU_CHECK_DEVICE": device},
         ),  # fmt: skip
+        *loss_steps,
         Step(
-            "loss_step_cuda",
-            "the loss step against TRL's chunked kernel on CUDA, bf16, 4096 tokens x 151936 vocabulary",
+            "gpu_step",
+            f"whole optimizer steps, RLLossGRPOTrainer against stock GRPOTrainer, {size['model']}, "
+            f"{size['length']}-token completions, {size['repeats']} interleaved repeats of {size['steps']} steps",
             (
                 "python",
                 "-m",
-                "benchmarks.performance.loss_step",
+                "benchmarks.performance.gpu_step",
                 "--device",
-                "cuda",
-                "--dtype",
-                "bf16",
-                "--tokens",
-                "4096",
-                "--vocab",
-                "151936",
-                "--methods",
-                "hf_rlloss",
-                "trl_chunked",
-                "naive",
-                "gemm_floor",
-                "--repeats",
-                "3",
-                "--out",
-                str(work / "loss_step_cuda.json"),
-            ),
-            "benchmarks/performance/loss_step.py",
-            "loss_step_cuda.json",
-            120,
-        ),  # fmt: skip
-        Step(
-            "demo_step_cuda",
-            "a demo step on the GPU, RLLossGRPOTrainer against stock GRPOTrainer (one timed step after a warm-up)",
-            (
-                "python",
-                "-m",
-                "benchmarks.performance.train_step",
-                "--demo",
-                DEMO_GPU_CONFIG,
+                device,
+                "--model",
+                size["model"],
+                "--length",
+                size["length"],
                 "--steps",
-                "2",
+                size["steps"],
                 "--repeats",
-                "1",
+                size["repeats"],
                 "--out",
-                str(work / "demo_step_cuda.json"),
+                str(work / "gpu_step.json"),
             ),
-            "benchmarks/performance/train_step.py",
-            "demo_step_cuda.json",
-            150,
+            "benchmarks/performance/gpu_step.py",
+            "gpu_step.json",
+            180,
         ),  # fmt: skip
         Step(
             "vllm_colocate_cuda",
-            "both trainers sampling with a colocated vLLM engine on the GPU",
-            ("python", "scripts/gpu_vllm_colocate.py", "--steps", "3", "--out", str(work / "vllm_colocate_cuda.json")),
+            "both trainers, configured alike, sampling with a colocated vLLM engine, and their ratio",
+            (
+                "python",
+                "scripts/gpu_vllm_colocate.py",
+                "--device",
+                device,
+                "--steps",
+                size["vllm_steps"],
+                "--out",
+                str(work / "vllm_colocate_cuda.json"),
+            ),
             "scripts/gpu_vllm_colocate.py",
             "vllm_colocate_cuda.json",
-            240,
+            120,
             needs_vllm=True,
-        ),
+        ),  # fmt: skip
     ]
+
+
+#: The time budget of a whole run: the steps' caps added up (10 minutes).
+BUDGET_S = sum(step.timeout_s for step in plan())
 
 
 # ------------------------------------------------------------------------------------------------------ parsing
@@ -302,30 +346,80 @@ def vllm_importable(python: str) -> bool:
     return subprocess.run([python, "-c", "import vllm"], capture_output=True, cwd=ROOT).returncode == 0
 
 
-def run_step(step: Step, python: str, vllm_python: str, budget_s: float, meta: dict, work: Path) -> dict:
-    """Run one step, then write its results file; returns its summary line."""
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi` lists (`index, name` per line); empty without the tool or a GPU."""
+    query = _run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"])
+    return [line.strip() for line in query.splitlines() if line.strip()]
+
+
+def pinned_gpu(environ: dict) -> str:
+    """The one GPU every step sees: the first of `CUDA_VISIBLE_DEVICES` when it is set, else GPU 0."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return visible.split(",")[0].strip() if visible else "0"
+
+
+def run_with_deadline(cmd: list[str], env: dict, log: Path, timeout: float) -> int | str:
+    """Run `cmd` in a session of its own, its output into `log`; past `timeout` s, kill it and every process it
+    started (each descendant by PID, then the session's process group). The exit code, or `"timeout"`."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc.pid)
+            proc.wait()
+            return "timeout"
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid`'s descendants and `pid` (by PID, so that those in sessions of their own die too), then what is
+    left of its process group."""
+    try:
+        import psutil
+
+        procs = psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - psutil missing or the process gone: the process group below still goes
+        procs = []
+    for proc in procs:
+        with _ignored(Exception):
+            proc.kill()
+    with _ignored(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class _ignored:
+    def __init__(self, *errors):
+        self.errors = errors
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, self.errors)
+
+
+def run_step(
+    step: Step, python: str, vllm_python: str, budget_s: float, meta: dict, work: Path, results: Path | None = None
+) -> dict:
+    """Run one step, then write its results file (under `results`, default `RESULTS`); returns its summary line."""
     interpreter = vllm_python if step.needs_vllm else python
     cmd = [interpreter, *step.argv[1:]]
     record = {"step": step.name, "what": step.what, "command": shlex.join(["python", *step.argv[1:]])}
     if step.needs_vllm and not vllm_importable(interpreter):
-        record.update(status="skipped", reason=f"{interpreter} cannot import vllm: install vLLM for CUDA in an "
-                      "environment with hf_rlloss and name its Python with --vllm-python (docs/gpu.md)")  # fmt: skip
+        why = "install vLLM beside hf_rlloss (scripts/install_vllm_cuda.sh), or name its Python with --vllm-python"
+        record.update(status="skipped", reason=f"{interpreter} cannot import vllm: {why}")
     elif budget_s < 10:
         record.update(status="not run", reason="the time budget was spent")
     else:
         log = work / f"{step.name}.log"
+        raw = work / step.raw_output
+        raw.unlink(missing_ok=True)  # never report an earlier run's output
         load_before, start = load_average(), time.perf_counter()
         timeout = min(step.timeout_s, budget_s)
         print(f"[gpu-check] {step.name}: $ {shlex.join(cmd)}  (at most {timeout:.0f} s; log: {log})", flush=True)
         env = {**os.environ, **step.env, "PYTHONUNBUFFERED": "1"}
-        with open(log, "w") as f:
-            try:
-                code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-                code = code.returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
+        code = run_with_deadline(cmd, env, log, timeout)
         wall = time.perf_counter() - start
-        raw = work / step.raw_output
         result = None
         if raw.exists():
             result = junit_summary(raw) if raw.suffix == ".xml" else json.loads(raw.read_text())
@@ -335,9 +429,10 @@ def run_step(step: Step, python: str, vllm_python: str, budget_s: float, meta: d
         record.update(status="failed" if failed else "passed", returncode=code, wall_s=round(wall, 1),
                       load_average_before=load_before, load_average_after=load_average(), result=result,
                       log_tail=log.read_text(errors="replace")[-3000:] if failed else None)  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{step.name}.json"
-    out.write_text(json.dumps({"meta": meta, **record}, indent=1) + "\n")
+    results = Path(results or RESULTS)
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / f"{step.name}.json"
+    out.write_text(json.dumps({"meta": meta, **record}, indent=1, default=str) + "\n")
     line = {"step": step.name, "status": record["status"], "file": _shown(out)}
     print(f"[gpu-check] {step.name}: {record['status']}" + (f" ({record.get('reason')})" if "reason" in record else "")
           + (f" in {record['wall_s']} s" if "wall_s" in record else ""), flush=True)  # fmt: skip
@@ -361,16 +456,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=[s.name for s in plan()], help="run these steps only")
     parser.add_argument("--vllm-python", default=sys.executable, help="the Python that runs the vLLM step")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for all steps together")
+    parser.add_argument("--device", choices=DEVICES, default="cuda", help="cpu: the rehearsal, at tiny sizes")
+    parser.add_argument("--results", type=Path, default=None, help="where the results files go (default: RESULTS)")
+    parser.add_argument("--work", type=Path, default=WORK, help="where the logs and raw outputs go")
     args = parser.parse_args(argv)
-    steps = [s for s in plan() if not args.only or s.name in args.only]
+    steps = [s for s in plan(args.work, args.device) if not args.only or s.name in args.only]
     import torch
 
-    cuda = torch.cuda.is_available()
-    if args.dry_run or not cuda:
-        if not cuda:
+    cuda, listed = torch.cuda.is_available(), nvidia_smi_gpus()
+    if args.device == "cuda" and listed and not cuda:
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+        print(f"[gpu-check] FAILED: nvidia-smi lists {len(listed)} GPU(s) ({'; '.join(listed)}) but torch "
+              f"{torch.__version__} ({build}) cannot use them: a CPU build, or a driver older than the wheel's CUDA. "
+              "Install a torch for this driver (HF_RLLOSS_TORCH=cuda make setup, or PyTorch's matrix).")  # fmt: skip
+        return 2
+    if args.dry_run or (args.device == "cuda" and not cuda):
+        if not args.dry_run:
             build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
-            print(f"[gpu-check] no CUDA device (torch {torch.__version__}, {build}): nothing to run, nothing "
-                  "written. On a machine with one CUDA GPU, `make gpu-check` runs:")  # fmt: skip
+            print(f"[gpu-check] no CUDA device (torch {torch.__version__}, {build}; nvidia-smi lists none): nothing "
+                  "to run, nothing written. On a machine with one CUDA GPU, `make gpu-check` runs:")  # fmt: skip
         else:
             print("[gpu-check] dry run, the plan:")
         print_plan(steps, sys.executable, args.vllm_python)
@@ -378,22 +482,22 @@ def main(argv: list[str] | None = None) -> int:
             for step in steps:
                 shown = parsed_options(step, parse_with_own_parser(step))
                 print(f"[gpu-check] {step.name}: parsed by {step.parser}'s parser: {shown}")
-            parse_demo_config(cuda)
-            print(f"[gpu-check] {DEMO_GPU_CONFIG}: parsed by recipes/grpo.py's parser")
         return 0
-    WORK.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ["CUDA_VISIBLE_DEVICES"] = pinned_gpu(os.environ)  # every step: one GPU
     command = shlex.join(["python", "scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])])
-    meta = provenance(command, args.vllm_python)
-    meta["load_average_at_start"] = load_average()
+    meta = provenance(command, args.vllm_python) | {"device": args.device, "load_average_at_start": load_average()}
     print(
         f"[gpu-check] {meta['gpu'].get('name')} ({meta['gpu'].get('memory_gib')} GiB), torch "
         f"{meta['versions'].get('torch')}, commit {str(meta['git_commit'])[:10]}; budget {args.budget_s:.0f} s"
     )
     deadline = time.perf_counter() + args.budget_s
-    lines = [run_step(s, sys.executable, args.vllm_python, deadline - time.perf_counter(), meta, WORK) for s in steps]
+    lines = [run_step(s, sys.executable, args.vllm_python, deadline - time.perf_counter(), meta, args.work,
+                      args.results) for s in steps]  # fmt: skip
+    results = Path(args.results or RESULTS)
     summary = {"meta": {**meta, "load_average_at_end": load_average()}, "steps": lines}
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"[gpu-check] wrote {_shown(RESULTS)}/: " + ", ".join(f"{x['step']} {x['status']}" for x in lines))
+    (results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"[gpu-check] wrote {_shown(results)}/: " + ", ".join(f"{x['step']} {x['status']}" for x in lines))
     return 1 if any(x["status"] == "failed" for x in lines) else 0
 
 

@@ -1,4 +1,9 @@
-"""CUDA checks of the chunked kernel (skipped without a GPU): the same numbers as the CPU path, bf16 included."""
+"""CUDA checks (skipped without a GPU): the chunked kernel gives the CPU path's numbers, bf16 included; both trainers
+give stock TRL's update on the GPU. `make gpu-check` runs them (its `cuda_tests` step); with
+`HF_RLLOSS_GPU_CHECK_DEVICE=cpu` the trainer checks run on the CPU instead, the check's rehearsal in the default suite
+(tests/test_gpu_check.py)."""
+
+import os
 
 import pytest
 import torch
@@ -6,9 +11,15 @@ from _data import make_step, run_step
 
 from hf_rlloss import GRPOLossConfig
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICE = os.environ.get("HF_RLLOSS_GPU_CHECK_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="compares the CUDA kernel with the CPU path")
 
 
+@cuda_only
 @pytest.mark.parametrize("loss_type", ["vanilla", "gspo", "geo_mean"])
 def test_cuda_hidden_path_matches_cpu(loss_type):
     cfg = GRPOLossConfig(policy_loss_cfg={"loss_type": loss_type}, use_kl_loss=True, kl_loss_type="k3", chunk_size=4)
@@ -20,6 +31,7 @@ def test_cuda_hidden_path_matches_cpu(loss_type):
         torch.testing.assert_close(a, b.cpu(), atol=1e-8, rtol=1e-8)
 
 
+@cuda_only
 def test_cuda_bf16_hidden_states_close_to_fp32():
     step = {k: (v.float() if v.is_floating_point() else v) for k, v in make_step(seed=4).items()}
     cfg = GRPOLossConfig()
@@ -27,6 +39,35 @@ def test_cuda_bf16_hidden_states_close_to_fp32():
     bf16 = {k: (v.cuda().bfloat16() if k in ("h", "w") else v.cuda()) for k, v in step.items()}
     low = run_step(cfg, bf16, [list(range(8))], "hidden")
     torch.testing.assert_close(low[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The synchronous trainer against stock TRL on the device, fixed completions, fp32 and bf16, packing off and on.
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("packing", ["auto", "off", "shared_prefix"])
+def test_sync_trainer_gives_stock_trls_update_on_the_device(tmp_path, precision, packing):
+    """`RLLossGRPOTrainer` configured as TRL against stock `GRPOTrainer`, the same model and completions, two SGD
+    steps on DEVICE: the same parameters (fp32: to round-off; bf16 autocast: within 5% of how far they moved)."""
+    from _trainer_utils import BASE_ARGS, make_model, make_tokenizer, train_fixed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_rlloss.trainer import RLLossGRPOConfig
+
+    tok = make_tokenizer()
+    options = {**BASE_ARGS, "use_cpu": DEVICE == "cpu", "bf16": precision == "bf16", "max_steps": 2, "optim": "sgd",
+               "learning_rate": 0.05, "max_grad_norm": 0.0, "lr_scheduler_type": "constant"}  # fmt: skip
+    _, before, stock = train_fixed(tok, GRPOConfig(output_dir=str(tmp_path / "trl"), **options), make_model(tok),
+                                   GRPOTrainer)  # fmt: skip
+    args = RLLossGRPOConfig(output_dir=str(tmp_path / "ours"), packing=packing, **options)
+    trainer, _, ours = train_fixed(tok, args, make_model(tok))
+    assert next(trainer.model.parameters()).device.type == DEVICE  # it trained where it was asked to
+    assert trainer._packing in ("off", "shared_prefix")
+    moved = max((stock[k] - before[k]).abs().max().item() for k in before)
+    diff = max((stock[k] - ours[k]).abs().max().item() for k in before)
+    assert moved > 1e-3, "the parameters hardly moved: the comparison would be vacuous"
+    assert diff <= (1e-5 if precision == "fp32" else 0.05 * moved), (diff, moved)
 
 
 # ------------------------------------------------------------------------------------------------------------------
