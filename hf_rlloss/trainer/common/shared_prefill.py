@@ -34,6 +34,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import logging
 
 from .preallocated_cache import preallocate_cache
+from .transformers_compat import CACHE_ARGUMENT
 
 logger = logging.get_logger(__name__)
 
@@ -116,7 +117,7 @@ def prefill_distinct_prompts(
         kwargs["logits_to_keep"] = 1  # as generate: the logits of the last position only (here unused)
     inputs = lm.prepare_inputs_for_generation(
         ids,
-        cache=cache,
+        **{CACHE_ARGUMENT: cache},
         # generate drops a mask without padding (SDPA's causal path); the mask of the whole batch decides it
         attention_mask=None if bool(attention_mask.all()) else mask,
         position_ids=position_ids,
@@ -172,7 +173,7 @@ def _shared_generate(lm: nn.Module, generate: Callable[..., Any], preallocate: b
     inputs["attention_mask"] = attention_mask
     # the positions the call will hold: generate's max_length is the prompt plus max_new_tokens when that is set
     capacity = input_ids.size(1) + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    inputs["cache"] = prefill_distinct_prompts(
+    inputs[CACHE_ARGUMENT] = prefill_distinct_prompts(
         lm, input_ids, attention_mask, first, inverse, capacity if preallocate else None
     )
     return generate(**inputs)

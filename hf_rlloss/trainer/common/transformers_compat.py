@@ -6,6 +6,9 @@ transformers 5.23 renamed gradient checkpointing to activation checkpointing: th
 `is_activation_checkpointing` (the old names warn from 5.23 on and go in v6). vLLM pins transformers below 5.21
 (0.31: `<5.18`), so a vLLM user runs the old names.
 
+transformers 5.24 renamed the cache argument of the forwards and of `generate` from `past_key_values` to `cache`
+(`CACHE_ARGUMENT`: the installed release's name; the shared-prompt prefill hands its cache over under it).
+
 Users and recipes write the new names on every release: on a transformers without them, both configs declare
 `activation_checkpointing` and `activation_checkpointing_kwargs` themselves (`checkpointing_field`) and copy them onto
 the old fields before `TrainingArguments.__post_init__` reads those (`to_old_checkpointing_names`). The trainers call
@@ -21,6 +24,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 __all__ = [
+    "CACHE_ARGUMENT",
     "RENAMED_CHECKPOINTING",
     "checkpointing_argument",
     "checkpointing_field",
@@ -30,6 +34,16 @@ __all__ = [
     "to_new_checkpointing_names",
     "to_old_checkpointing_names",
 ]
+
+
+def _cache_argument() -> str:
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
+#: The keyword under which a forward and `generate` take a KV cache: `cache` from transformers 5.24 on.
+CACHE_ARGUMENT = _cache_argument()
 
 #: Whether this transformers has the 5.23 names (`TrainingArguments.activation_checkpointing`).
 RENAMED_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
