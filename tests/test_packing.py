@@ -142,7 +142,8 @@ def test_a_micro_batch_forwarded_in_another_layout_says_why(caplog):
 
 def test_the_packing_option_is_validated(tmp_path):
     assert RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).packing == "auto"
-    with pytest.raises(ValueError, match="packing='tree'; expected one of 'auto', 'shared_prefix', 'padding_free', 'off'"):
+    expected = "packing='tree'; expected one of 'auto', 'shared_prefix', 'padding_free', 'off'"
+    with pytest.raises(ValueError, match=expected):
         RLLossGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, packing="tree")
 
 

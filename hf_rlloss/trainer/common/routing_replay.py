@@ -118,11 +118,19 @@ def _sigmoid_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor, 
 @dataclasses.dataclass(frozen=True)
 class RouterFamily:
     """A transformers router class (`module`, `name`) and its gate weights at given ids (`gate(router, logits, ids,
-    hidden) -> (N, k)`)."""
+    hidden) -> (N, k)`); `since`: the first transformers release whose router returns `(logits, weights, ids)`, as the
+    replay hook reads it (`None`: every supported release)."""
 
     module: str
     name: str
     gate: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    since: str | None = None
+
+    def supported(self) -> bool:
+        from packaging.version import Version
+        from transformers import __version__
+
+        return self.since is None or Version(__version__) >= Version(self.since)
 
 
 ROUTER_FAMILIES = (
@@ -131,7 +139,8 @@ ROUTER_FAMILIES = (
     RouterFamily("transformers.models.olmoe.modeling_olmoe", "OlmoeTopKRouter", _qwen_like),
     RouterFamily("transformers.models.mixtral.modeling_mixtral", "MixtralTopKRouter", _mixtral),
     RouterFamily("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", _softmax_of_chosen),
-    RouterFamily("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoeTopKRouter", _granite),
+    # before 5.21 its router returned (ids, weights, logits)
+    RouterFamily("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoeTopKRouter", _granite, "5.21"),
     RouterFamily("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter", _sigmoid_scaled),
     RouterFamily("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter", _sigmoid_scaled),
 )
@@ -140,6 +149,8 @@ ROUTER_FAMILIES = (
 def _router_classes() -> dict[type, RouterFamily]:
     classes = {}
     for family in ROUTER_FAMILIES:
+        if not family.supported():
+            continue
         try:
             classes[getattr(importlib.import_module(family.module), family.name)] = family
         except (ImportError, AttributeError):  # a transformers version without this family
@@ -156,6 +167,15 @@ def find_routers(model: nn.Module) -> list[tuple[nn.Module, RouterFamily]]:
     if routers:
         return routers
     unknown = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Router", "Gate"))})
+    from transformers import __version__
+
+    for family in ROUTER_FAMILIES:
+        if family.name in unknown and not family.supported():
+            raise ValueError(
+                f"routing_replay replays {family.name} from transformers {family.since} on ({__version__} is "
+                "installed, whose router returns its outputs in another order): upgrade transformers, or set "
+                "routing_replay='off'"
+            )
     known = ", ".join(f.name for f in ROUTER_FAMILIES)
     raise ValueError(
         f"routing_replay needs an MoE model whose routers it can replay ({known}); "
