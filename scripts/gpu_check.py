@@ -17,7 +17,9 @@ The plan (:func:`plan`), one subprocess per step, in priority order:
 3. `gpu_step`: whole optimizer steps of a randomly initialised 0.5B-class Qwen2 in bf16 on 512-token fixed
    completions, `RLLossGRPOTrainer` against stock `GRPOTrainer`, 3 interleaved repeats of 6 synchronized steps
    (`benchmarks/performance/gpu_step.py`);
-4. `vllm_colocate_cuda`: both trainers, configured alike, sampling with a colocated vLLM engine
+4. `engines_cuda`: one-process launches of the shipped ZeRO-3 and FSDP2 accelerate configs over NCCL, each asserting
+   the engine that ran (`scripts/gpu_engines.py`);
+5. `vllm_colocate_cuda`: both trainers, configured alike, sampling with a colocated vLLM engine
    (`scripts/gpu_vllm_colocate.py`), and the ratio of their step times; skipped, saying why, when the Python that runs
    it cannot import vLLM (`scripts/install_vllm_cuda.sh` installs it beside the package).
 
@@ -113,7 +115,7 @@ def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
             ),
             "benchmarks/performance/loss_step.py",
             f"loss_step_h{hidden_cuda}.json",
-            (60, 90)[i],
+            (50, 70)[i],
         )  # fmt: skip
         for i, (hidden, hidden_cuda) in enumerate(zip(size["hidden"], SIZES["cuda"]["hidden"]))
     ]
@@ -136,7 +138,7 @@ def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
             ),
             "pytest",
             "cuda_tests.xml",
-            150,
+            120,
             env={"HF_RLLOSS_GPU_CHECK_DEVICE": device},
         ),  # fmt: skip
         *loss_steps,
@@ -163,8 +165,16 @@ def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
             ),
             "benchmarks/performance/gpu_step.py",
             "gpu_step.json",
-            180,
+            150,
         ),  # fmt: skip
+        Step(
+            "engines_cuda",
+            "one-process launches of the shipped ZeRO-3 and FSDP2 configs, each asserting the engine that ran",
+            ("python", "scripts/gpu_engines.py", "--device", device, "--out", str(work / "engines_cuda.json")),
+            "scripts/gpu_engines.py",
+            "engines_cuda.json",
+            80,
+        ),
         Step(
             "vllm_colocate_cuda",
             "both trainers, configured alike, sampling with a colocated vLLM engine, and their ratio",
@@ -180,7 +190,7 @@ def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
             ),
             "scripts/gpu_vllm_colocate.py",
             "vllm_colocate_cuda.json",
-            120,
+            130,
             needs_vllm=True,
         ),  # fmt: skip
     ]

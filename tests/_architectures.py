@@ -139,7 +139,9 @@ _GATED_DELTANET = {
 FULL_OVERRIDES: dict[str, dict] = {
     "deepseek_v2": _MLA, "deepseek_v32": _MLA, "glm_moe_dsa": _MLA, "glm4_moe_lite": _MLA, "minicpm3": _MLA,
     "sarvam_mla": _MLA,
-    "longcat_flash": _MLA, "gptj": {"rotary_dim": 4}, "codegen": {"rotary_dim": 4}, "qwen3_5_text": _GATED_DELTANET,
+    # longcat_flash: its layers counted by num_layers (num_hidden_layers is twice it; before 5.18 a field of its own)
+    "longcat_flash": {**_MLA, "num_layers": 1},
+    "gptj": {"rotary_dim": 4}, "codegen": {"rotary_dim": 4}, "qwen3_5_text": _GATED_DELTANET,
     "qwen3_5_moe_text": _GATED_DELTANET,
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
     "mamba2": {"num_heads": 8, "head_dim": 8, "state_size": 8, "n_groups": 1, "expand": 2},

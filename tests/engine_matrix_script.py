@@ -131,6 +131,8 @@ def engine_info(trainer) -> dict:
         "zero_stage": zero_stage(trainer.model_wrapped),
         "dtensor_params": any(hasattr(p, "full_tensor") for p in unwrapped.parameters()),
         "param_dtype": str(next(unwrapped.parameters()).dtype),
+        "param_device": next(unwrapped.parameters()).device.type,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
         "ref_wrapper": None if trainer.ref_model is None else type(trainer.ref_model).__name__,
         "ref_zero_stage": None if trainer.ref_model is None else zero_stage(trainer.ref_model),
         "mixed_precision": str(trainer.accelerator.mixed_precision),
@@ -238,6 +240,7 @@ def run_case(cli, tok, case: str) -> dict | None:
             "num_generations": 2,
             "per_device_train_batch_size": cli.per_device_batch_size,
             "learning_rate": cli.learning_rate,
+            "use_cpu": cli.device == "cpu",
         },
         gradient_accumulation_steps=cli.grad_accum,
         max_steps=cli.steps,
@@ -311,6 +314,7 @@ def run_case(cli, tok, case: str) -> dict | None:
 def main(finish: bool = True) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: make gpu-check's engines")
     parser.add_argument(
         "--cases",
         nargs="+",

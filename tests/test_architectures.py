@@ -756,10 +756,18 @@ def _numbers(text: str) -> list[float]:
     return [float(x) for x in _NUMBER.findall(text)]
 
 
+# The transformers release docs/architectures.md's tables are generated with (the one the suite runs,
+# docs/compatibility.md); an older release (the declared minimum) is not compared with them.
+DOCS_TRANSFORMERS = "5.25.0"
+
+
 def _check_block(begin: str, end: str, table: str) -> None:
     """docs/architectures.md holds `table` between `begin` and `end`: the same text, and numbers that pass the same
     tolerances (they are round-off: another machine reorders float32 sums differently); rewritten with
     HF_RLLOSS_WRITE_DOCS=1."""
+    if Version(transformers.__version__) < Version(DOCS_TRANSFORMERS):
+        pytest.skip(f"docs/architectures.md is generated with transformers {DOCS_TRANSFORMERS}, the suite's; an older "
+                    f"release ({transformers.__version__}) ships other families and reasons")  # fmt: skip
     page = DOCS.read_text()
     head, rest = page.split(begin)
     _, tail = rest.split(end)

@@ -31,7 +31,9 @@ colocate = _load("gpu_vllm_colocate", ROOT / "scripts" / "gpu_vllm_colocate.py")
 
 def test_the_plan_is_parsed_by_each_steps_own_parser():
     steps = {step.name: step for step in gpu_check.plan()}
-    assert list(steps) == ["cuda_tests", "loss_step_h1536", "loss_step_h3584", "gpu_step", "vllm_colocate_cuda"]
+    assert list(steps) == [
+        "cuda_tests", "loss_step_h1536", "loss_step_h3584", "gpu_step", "engines_cuda", "vllm_colocate_cuda"
+    ]  # fmt: skip
     parsed = {name: gpu_check.parse_with_own_parser(step) for name, step in steps.items()}
     assert parsed["cuda_tests"].markexpr == "gpu" and parsed["cuda_tests"].file_or_dir == ["tests/test_gpu.py"]
     assert parsed["cuda_tests"].xmlpath.endswith("cuda_tests.xml")
@@ -43,6 +45,7 @@ def test_the_plan_is_parsed_by_each_steps_own_parser():
         assert loss.methods == ["hf_rlloss", "trl_chunked", "gemm_floor"] and loss.repeats == 3
     step = parsed["gpu_step"]
     assert (step.device, step.model, step.length, step.steps, step.repeats) == ("cuda", "qwen2_0.5b_random", 512, 6, 3)
+    assert parsed["engines_cuda"].device == "cuda" and parsed["engines_cuda"].engines == ["zero3", "fsdp2"]
     colocate_args = parsed["vllm_colocate_cuda"]
     assert colocate_args.trainers == ["hf_rlloss", "trl"] and colocate_args.device == "cuda"
     assert gpu_check.BUDGET_S == sum(step.timeout_s for step in steps.values()) <= 600  # within 10 minutes
@@ -158,6 +161,9 @@ def test_the_cpu_rehearsal_runs_every_step_end_to_end(tmp_path):
     for name in ("loss_step_h1536", "loss_step_h3584"):
         rows = json.loads((results / f"{name}.json").read_text())["result"]["rows"]
         assert {"hf_rlloss_s", "trl_chunked_s", "gemm_floor_s"} <= set(rows[0]), rows
+    engines = json.loads((results / "engines_cuda.json").read_text())["result"]
+    assert engines["problems"] == [] and engines["results"]["zero3"]["engine"]["zero_stage"] == 3
+    assert engines["results"]["fsdp2"]["engine"]["dtensor_params"]
     step = json.loads((results / "gpu_step.json").read_text())["result"]
     assert set(step["rows"]) == {"trl", "hf_rlloss", "hf_rlloss_shared_prefix"}
     assert step["rows"]["hf_rlloss"]["packing"] == "shared_prefix"  # auto on the CPU
