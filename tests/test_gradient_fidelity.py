@@ -9,7 +9,15 @@ import pytest
 import torch
 from _trainer_utils import make_model, make_tokenizer
 
-from hf_rlloss.recipe_support.fidelity_stats import FLOOR, bootstrap_p, fidelity_statistics, prompt_terms
+from hf_rlloss.recipe_support.fidelity_stats import (
+    DROP,
+    FLOOR,
+    bootstrap_p,
+    drop_terms,
+    fidelity_statistics,
+    prompt_terms,
+    zero_advantage_bias_share,
+)
 from hf_rlloss.recipe_support.grad_sketch import CountSketch
 from hf_rlloss.recipe_support.gradient_fidelity import (
     CORRECTIONS,
@@ -17,7 +25,9 @@ from hf_rlloss.recipe_support.gradient_fidelity import (
     Settings,
     build_parser,
     fidelity_report,
+    format_report,
     trl_group_advantages,
+    zero_advantage_prompts,
 )
 
 
@@ -126,6 +136,37 @@ def test_the_statistics_recover_a_known_bias_and_the_floor_holds_none():
     assert bootstrap_p(np.array([1.0, 2.0, -1.0, 3.0])) == pytest.approx(0.5)
 
 
+def test_the_zero_update_scores_relative_bias_and_mse_1_in_closed_form():
+    """Not training on the stale batch: x¹ = x² = 0, so b = ⟨o¹, o²⟩ = n and v = 0 prompt by prompt: relative bias and
+    relative MSE exactly 1 at any batch size, in every resample; its terms equal `prompt_terms` with zero vectors."""
+    rng = np.random.default_rng(3)
+    floor, zero = [], []
+    for _ in range(20):
+        on = [rng.normal(size=6) + 1.0 for _ in range(4)]
+        floor.append(prompt_terms(on, on[2:]))
+        zero.append(prompt_terms(on, [np.zeros(6), np.zeros(6)]))
+        assert drop_terms(floor[-1]) == pytest.approx(zero[-1])
+    for groups in (1, 2, 16):
+        stats = fidelity_statistics({DROP: [drop_terms(f) for f in floor]}, batch_groups=groups, resamples=200)
+        entry = stats["estimators"][DROP]
+        for key in ("relative_bias", "relative_bias_sq", "relative_mse"):
+            assert (entry[key]["value"], entry[key]["ci_low"], entry[key]["ci_high"]) == pytest.approx((1, 1, 1)), key
+        assert entry["relative_variance"]["value"] == 0 and np.isnan(entry["cosine"]["value"])
+
+
+def test_the_zero_advantage_share_counts_the_flagged_prompts_squared_bias():
+    assert zero_advantage_bias_share([1.0, 3.0, 0.0, 4.0], [False, True, True, False]) == pytest.approx(3 / 8)
+    assert np.isnan(zero_advantage_bias_share([0.0, 0.0], [True, False]))
+    rows = [
+        {"rewards": {"on1": [1, 0], "on2": [1, 1], "on3": [0, 0], "on4": [1, 1], "8/1": [1, 1], "8/2": [1, 1]}},
+        {"rewards": {"on1": [1, 1], "on2": [1, 1], "on3": [1, 1], "on4": [1, 1], "8/1": [1, 1], "8/2": [1, 1]}},
+        {"rewards": {"on1": [1, 0], "on2": [1, 0], "on3": [0, 1], "on4": [1, 0], "8/1": [1, 0], "8/2": [1, 1]}},
+    ]
+    # only the first: both stale groups constant (no advantage) while an on-policy group is not
+    assert zero_advantage_prompts(rows, "8") == [True, False, False]
+    assert zero_advantage_prompts([{"floor": {}}], "8") is None
+
+
 def test_trl_group_advantages():
     rewards = np.array([1.0, 0.0, 1.0, np.nan])
     std = np.std([1.0, 0.0, 1.0], ddof=1)
@@ -190,6 +231,19 @@ def test_the_inverted_weight_comes_out_worse_and_the_correction_better(tiny_repo
     assert differences["token_tis - none"]["relative_bias_sq"]["ci_high"] < 0, differences["token_tis - none"]
     assert differences["none - noise_floor"]["relative_bias_sq"]["value"] > 0
     assert report["k"]["estimators"]["token_tis"]["ess"] < 0.9  # the weights are far from 1 at this distance
+
+
+def test_the_report_prints_the_zero_update_and_each_correction_against_it(tiny_report):
+    _, report, names = tiny_report
+    stats = report["k"]
+    assert stats["estimators"][DROP]["relative_mse"]["value"] == pytest.approx(1.0)
+    for name in names:
+        versus = stats["differences"][f"{name} - {DROP}"]["relative_mse"]["value"]
+        assert versus == pytest.approx(stats["estimators"][name]["relative_mse"]["value"] - 1.0)
+        assert "zero_advantage_bias_share" in stats["estimators"][name]
+    text = format_report(report)
+    assert "| drop (the zero update: the stale batch not trained on) | 1.000 [1.000, 1.000] | undefined |" in text
+    assert "MSE − drop" in text and "squared bias from zero-advantage groups" in text
 
 
 def test_the_report_recomputes_from_stored_results(tiny_report):

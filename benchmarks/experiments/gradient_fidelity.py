@@ -6,6 +6,8 @@ correction's gradient against the on-policy gradient, on checkpoints of a real a
     python -m benchmarks.experiments.gradient_fidelity pilot       # the pilot the registration is sized from
     python -m benchmarks.experiments.gradient_fidelity run         # the registered cells, resumable, prompt by prompt
     python -m benchmarks.experiments.gradient_fidelity analyze     # the registered tests: analysis.json, the plot
+    python -m benchmarks.experiments.gradient_fidelity report      # the diagnostic's output on every cell, with the
+                                                                   # zero update (drop) and the zero-advantage share
 
 The diagnostic is the package's (`hf_rlloss.recipe_support.gradient_fidelity`): for each prompt, four on-policy
 groups of the current checkpoint θ_t and two groups from the behaviour checkpoint θ_{t−k}, every correction's
@@ -268,14 +270,28 @@ def per_prompt_rows(cell: dict) -> list[dict]:
     """A cell file's prompts in the form `fidelity_report` reads (one behaviour, labelled by the lag)."""
     label = str(cell["cell"]["lag"])
     rows = sorted(cell["prompts"], key=lambda row: row["prompt_index"])
-    return [{"floor": r["floor"], "terms": {label: r["terms"]}, "weights": {label: r["weights"]}} for r in rows]
+    return [{"floor": r["floor"], "terms": {label: r["terms"]}, "weights": {label: r["weights"]},
+             "rewards": r["rewards"]} for r in rows]  # fmt: skip
 
 
-def cell_report(cell: dict, resamples: int = 4000) -> dict:
+def cell_report(cell: dict, resamples: int = 4000, drop: bool = False) -> dict:
+    """One cell's `fidelity_report`: as registered (without the zero update), or with it (`drop`, the diagnostic's
+    output since: not part of the registered analysis)."""
     from hf_rlloss.recipe_support.gradient_fidelity import CORRECTIONS, fidelity_report
 
     names = list(cell["prompts"][0]["terms"]) if cell["prompts"] else list(CORRECTIONS)
-    return fidelity_report(per_prompt_rows(cell), names, batch_groups=2, resamples=resamples)[str(cell["cell"]["lag"])]
+    rows = per_prompt_rows(cell)
+    return fidelity_report(rows, names, batch_groups=2, resamples=resamples, drop=drop)[str(cell["cell"]["lag"])]
+
+
+def report(resamples: int) -> int:
+    """The diagnostic's table of every measured cell, the zero update and the zero-advantage share included."""
+    from hf_rlloss.recipe_support.gradient_fidelity import format_report
+
+    for (checkpoint, lag), cell in load_cells().items():
+        print(f"## {checkpoint} checkpoint, lag {lag}\n")
+        print(format_report({str(lag): cell_report(cell, resamples, drop=True)}))
+    return 0
 
 
 def squared_bias_differences(cell: dict, x: str, y: str) -> list[float]:
@@ -421,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p_analyze = sub.add_parser("analyze", help="the registered tests: analysis.json and the plot")
     p_analyze.add_argument("--resamples", type=int, default=4000)
+    p_report = sub.add_parser("report", help="the diagnostic's output on every cell, with the zero update")
+    p_report.add_argument("--resamples", type=int, default=4000)
     return parser
 
 
@@ -434,6 +452,8 @@ def main() -> int:
         return pilot(args.threads)
     if args.command == "run":
         return run(args.threads, args.only, args.jobs, args.worker)
+    if args.command == "report":
+        return report(args.resamples)
     return analyze(args.resamples)
 
 

@@ -22,6 +22,11 @@ Over the prompts (bars are means over prompts):
 - **relative MSE at a batch of n groups** ``(b̄ + v̄ / n) / n̄``: the bias kept whole, the variance divided by the
   groups of one optimizer step (the demo's 16 samples are 2 groups of 8).
 
+The **drop** reference is the zero update: not training on the stale batch at all (``x¹ = x² = 0``). Its terms are
+``b = n``, ``c = s = v = 0``, so its relative bias and relative MSE are exactly 1 and its cosine is undefined: a
+correction earns its place at a lag where its relative MSE lies below 1 (`drop_terms`; the diagnostic prints each
+correction's MSE difference to it with its interval).
+
 The **noise floor** is the same statistics with ``x¹, x² = o³, o⁴`` (on-policy groups): its bias is 0 in expectation,
 so a bias within the floor's interval is not a bias. Intervals are percentile bootstraps over prompts (the prompt is
 the independent unit; every estimator of a resample uses the same prompts, so differences are paired).
@@ -35,6 +40,7 @@ import numpy as np
 
 STATISTICS = ("relative_bias", "relative_bias_sq", "cosine", "relative_variance", "relative_mse")
 FLOOR = "noise_floor"
+DROP = "drop"
 
 
 def prompt_terms(on: Sequence[np.ndarray], stale: Sequence[np.ndarray]) -> dict[str, float]:
@@ -53,6 +59,23 @@ def prompt_terms(on: Sequence[np.ndarray], stale: Sequence[np.ndarray]) -> dict[
         "s": float(x1 @ x2),
         "v": float((x1 - x2) @ (x1 - x2) / 2),
     }
+
+
+def drop_terms(floor: Mapping[str, float]) -> dict[str, float]:
+    """The per-prompt terms of the zero update (`DROP`) from the prompt's on-policy terms (any `prompt_terms` of it:
+    only ``n`` is read): ``x¹ = x² = 0`` gives ``b = ⟨−o¹, −o²⟩ = n`` and ``c = s = v = 0``."""
+    n = float(floor["n"])
+    return {"n": n, "b": n, "c": 0.0, "s": 0.0, "v": 0.0}
+
+
+def zero_advantage_bias_share(b: Sequence[float], flagged: Sequence[bool]) -> float:
+    """The share of an estimator's summed squared bias ``Σ_p b_p`` that comes from the `flagged` prompts (those whose
+    stale groups' advantages are all zero while an on-policy group's are not: no likelihood ratio can correct an
+    advantage the stale groups never had). Each ``b_p`` is an unbiased estimate and can be negative, so the share can
+    fall outside [0, 1] where the summed bias is small (at lag 0, say). NaN when the summed bias is not positive."""
+    b = np.asarray(b, dtype=np.float64)
+    total = b.sum()
+    return float(b[np.asarray(flagged, dtype=bool)].sum() / total) if total > 0 else float("nan")
 
 
 def _statistics(terms: Mapping[str, np.ndarray], batch_groups: int) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ from ..loss.config import GRPOLossConfig
 from ..loss.context import GRPOLossContext
 from ..trainer.async_.scoring import group_advantages
 from ..trainer.common.sampling import generate_and_cut
-from .fidelity_stats import FLOOR, fidelity_statistics, prompt_terms
+from .fidelity_stats import DROP, FLOOR, drop_terms, fidelity_statistics, prompt_terms, zero_advantage_bias_share
 from .grad_sketch import CountSketch
 
 IGNORE = -100
@@ -315,39 +315,82 @@ class GradientFidelity:
 
 
 def fidelity_report(
-    per_prompt: Sequence[Mapping[str, Any]], names: Sequence[str], batch_groups: int = 2, resamples: int = 4000
+    per_prompt: Sequence[Mapping[str, Any]],
+    names: Sequence[str],
+    batch_groups: int = 2,
+    resamples: int = 4000,
+    drop: bool = True,
 ) -> dict:
-    """`GradientFidelity.report` from stored per-prompt results (`GradientFidelity.measure`'s dicts)."""
+    """`GradientFidelity.report` from stored per-prompt results (`GradientFidelity.measure`'s dicts). With `drop`, the
+    zero update (`fidelity_stats.DROP`) is an estimator too, each correction's difference to it is reported
+    (`"<name> - drop"`), and each correction gets `zero_advantage_bias_share` where the rewards were recorded."""
     report = {}
     for label in per_prompt[0]["terms"]:
         terms = {FLOOR: [r["floor"] for r in per_prompt]}
         terms.update({name: [r["terms"][label][name] for r in per_prompt] for name in names})
         differences = {f"{name} - none": (name, "none") for name in names if name != "none"}
         differences["none - noise_floor"] = ("none", FLOOR)
+        if drop:
+            terms[DROP] = [drop_terms(r["floor"]) for r in per_prompt]
+            differences.update({f"{name} - {DROP}": (name, DROP) for name in names})
         stats = fidelity_statistics(terms, batch_groups, resamples, differences=differences)
+        flagged = zero_advantage_prompts(per_prompt, label) if drop else None
         for name in names:
             total, squares, count = np.sum([r["weights"][label][name] for r in per_prompt], axis=0)
             stats["estimators"][name]["ess"] = total**2 / (count * squares) if squares > 0 else float("nan")
+            if flagged is not None:
+                b = [r["terms"][label][name]["b"] for r in per_prompt]
+                stats["estimators"][name]["zero_advantage_bias_share"] = zero_advantage_bias_share(b, flagged)
+        if flagged is not None:
+            stats["zero_advantage_prompts"] = int(sum(flagged))
         report[label] = stats
     return report
 
 
+def zero_advantage_prompts(per_prompt: Sequence[Mapping[str, Any]], label: str) -> list[bool] | None:
+    """Per prompt: whether both stale groups of behaviour `label` have all-equal rewards (every advantage zero) while
+    at least one of the four on-policy groups has not; `None` when the rewards were not recorded."""
+    if any("rewards" not in r for r in per_prompt):
+        return None
+
+    def constant(rewards: Sequence[float]) -> bool:
+        return len(set(rewards)) <= 1
+
+    out = []
+    for r in per_prompt:
+        rewards = r["rewards"]
+        stale = [rewards[f"{label}/{copy}"] for copy in (1, 2)]
+        on = [rewards[f"on{slot}"] for slot in range(1, 5)]
+        out.append(all(constant(x) for x in stale) and not all(constant(x) for x in on))
+    return out
+
+
 def format_report(report: Mapping[str, Any], corrections: Mapping[str, Correction] | None = None) -> str:
-    """The report as one Markdown table per behaviour label."""
+    """The report as one Markdown table per behaviour label: each estimator's statistics, its relative MSE minus the
+    zero update's (`drop`: not training on the stale batch; below 0 means the correction beats dropping), and the share
+    of its squared bias that comes from prompts whose stale groups had no advantage."""
     corrections = corrections or CORRECTIONS
     lines = []
     for label, stats in report.items():
+        zero = stats.get("zero_advantage_prompts")
         lines += [
-            f"behaviour {label} ({stats['prompts']} prompts; 95 % bootstrap intervals over prompts):",
+            f"behaviour {label} ({stats['prompts']} prompts; 95 % bootstrap intervals over prompts, "
+            f"{stats['resamples']} resamples" + (f"; {zero} prompts whose stale groups had no advantage" if zero
+                                                 is not None else "") + "):",
             "",
             "| estimator | relative bias | cosine to on-policy | relative MSE, batch of "
-            f"{stats['batch_groups']} groups | IS ESS |",
-            "|---|---|---|---|---|",
-        ]
+            f"{stats['batch_groups']} groups | MSE − drop | squared bias from zero-advantage groups | IS ESS |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
         for name, entry in stats["estimators"].items():
             cells = [_interval(entry[key]) for key in ("relative_bias", "cosine", "relative_mse")]
+            versus_drop = stats["differences"].get(f"{name} - {DROP}", {}).get("relative_mse")
+            cells.append(_interval(versus_drop) if versus_drop else "")
+            share = entry.get("zero_advantage_bias_share")
+            cells.append("" if share is None or not math.isfinite(share) else f"{share:.2f}")
             ess = entry.get("ess")
-            described = corrections[name].description if name in corrections else "split-half on-policy"
+            described = {FLOOR: "split-half on-policy", DROP: "the zero update: the stale batch not trained on"}
+            described = corrections[name].description if name in corrections else described.get(name, name)
             ess_cell = "" if ess is None or not math.isfinite(ess) else f"{ess:.3f}"
             lines.append(f"| {name} ({described}) | {' | '.join(cells)} | {ess_cell} |")
         lines.append("")
@@ -355,6 +398,8 @@ def format_report(report: Mapping[str, Any], corrections: Mapping[str, Correctio
 
 
 def _interval(entry: Mapping[str, float]) -> str:
+    if not math.isfinite(entry["value"]):
+        return "undefined"
     return f"{entry['value']:.3f} [{entry['ci_low']:.3f}, {entry['ci_high']:.3f}]"
 
 
