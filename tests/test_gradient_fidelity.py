@@ -15,6 +15,7 @@ from hf_rlloss.recipe_support.fidelity_stats import (
     bootstrap_p,
     drop_terms,
     fidelity_statistics,
+    floor_terms,
     prompt_terms,
     zero_advantage_bias_share,
 )
@@ -134,6 +135,26 @@ def test_the_statistics_recover_a_known_bias_and_the_floor_holds_none():
         assert interval["ci_low"] < 0 < interval["ci_high"], name
     assert result["differences"]["biased - unbiased"]["relative_bias_sq"]["ci_low"] > 0
     assert bootstrap_p(np.array([1.0, 2.0, -1.0, 3.0])) == pytest.approx(0.5)
+
+
+def test_the_noise_floors_terms_pair_only_independent_groups_and_its_cosine_reads_1():
+    """The floor's cross term pairs o³ with o² and o⁴ with o¹ (never a group with itself): in closed form on fixed
+    vectors, and on simulated groups (mean g, noise as large as g) its cosine's interval holds the known answer 1,
+    where pairing o³ with itself reads far above 1 (the group's own variance in the numerator)."""
+    o = [np.array([1.0, 0.0]), np.array([0.0, 2.0]), np.array([3.0, 1.0]), np.array([1.0, 1.0])]
+    assert floor_terms(o) == pytest.approx(
+        {"n": 0.0, "b": (3 - 1) * (1 - 0) + (1 - 0) * (1 - 2), "c": (2 + 1) / 2, "s": 4.0, "v": (4 + 0) / 2}
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    independent, self_paired = [], []
+    for _ in range(3000):
+        g = rng.normal(size=8)
+        on = [g + rng.normal(size=8) for _ in range(4)]
+        independent.append(floor_terms(on))
+        self_paired.append(prompt_terms(on, on[2:]))
+    stats = fidelity_statistics({"floor": independent, "self": self_paired}, resamples=1000)["estimators"]
+    assert stats["floor"]["cosine"]["ci_low"] < 1 < stats["floor"]["cosine"]["ci_high"]
+    assert stats["self"]["cosine"]["ci_low"] > 1.5  # E‖o³‖² = 2‖g‖² here: the old pairing read about 2
 
 
 def test_the_zero_update_scores_relative_bias_and_mse_1_in_closed_form():

@@ -198,7 +198,7 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
     import torch
     from tqdm.auto import tqdm
 
-    from hf_rlloss.recipe_support.fidelity_stats import prompt_terms
+    from hf_rlloss.recipe_support.fidelity_stats import floor_terms
 
     step = CHECKPOINTS[checkpoint]
     new = {"meta": provenance(), "cell": {"checkpoint": checkpoint, "step": step, "lag": lag,
@@ -223,7 +223,7 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
             torch.save((on, on_rewards), cache)
         stale = fidelity.stale(rows[i], on, str(lag), behavior, index, LAG_SLOT[lag])
         _append(path, new, {
-            "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": prompt_terms(on, on[2:]),
+            "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": floor_terms(on),
             **stale, "rewards": {**on_rewards, **stale["rewards"]}, "seconds": round(time.time() - started, 1),
         })  # fmt: skip
 

@@ -27,8 +27,11 @@ The **drop** reference is the zero update: not training on the stale batch at al
 correction earns its place at a lag where its relative MSE lies below 1 (`drop_terms`; the diagnostic prints each
 correction's MSE difference to it with its interval).
 
-The **noise floor** is the same statistics with ``x¹, x² = o³, o⁴`` (on-policy groups): its bias is 0 in expectation,
-so a bias within the floor's interval is not a bias. Intervals are percentile bootstraps over prompts (the prompt is
+The **noise floor** is the same statistics with on-policy groups as the "stale" ones, every inner product between two
+independent groups (`floor_terms`: ``x¹, x² = o³, o⁴`` against ``o¹, o²``, and the cross term ``(⟨o³, o²⟩ + ⟨o⁴,
+o¹⟩) / 2``, so that no group meets itself): its bias is 0 and its cosine 1 in expectation. Its interval shows how far
+an estimator with no bias reads from 0 with this many prompts; a bias inside it is not shown to be a bias, which is
+not evidence that there is none. Intervals are percentile bootstraps over prompts (the prompt is
 the independent unit; every estimator of a resample uses the same prompts, so differences are paired).
 """
 
@@ -59,6 +62,15 @@ def prompt_terms(on: Sequence[np.ndarray], stale: Sequence[np.ndarray]) -> dict[
         "s": float(x1 @ x2),
         "v": float((x1 - x2) @ (x1 - x2) / 2),
     }
+
+
+def floor_terms(on: Sequence[np.ndarray]) -> dict[str, float]:
+    """The noise floor's per-prompt terms from the four on-policy groups ``o¹…o⁴``: the estimator ``x¹, x² = o³, o⁴``
+    with every inner product between independent groups (`prompt_terms` with the reference groups ``o¹, o², o², o¹``,
+    so that its cross term is ``(⟨o³, o²⟩ + ⟨o⁴, o¹⟩) / 2``: pairing ``o³`` with itself would add the group's variance
+    to the cosine's numerator)."""
+    o1, o2, o3, o4 = on
+    return prompt_terms([o1, o2, o2, o1], [o3, o4])
 
 
 def drop_terms(floor: Mapping[str, float]) -> dict[str, float]:

@@ -36,7 +36,15 @@ from ..loss.config import GRPOLossConfig
 from ..loss.context import GRPOLossContext
 from ..trainer.async_.scoring import group_advantages
 from ..trainer.common.sampling import generate_and_cut
-from .fidelity_stats import DROP, FLOOR, drop_terms, fidelity_statistics, prompt_terms, zero_advantage_bias_share
+from .fidelity_stats import (
+    DROP,
+    FLOOR,
+    drop_terms,
+    fidelity_statistics,
+    floor_terms,
+    prompt_terms,
+    zero_advantage_bias_share,
+)
 from .grad_sketch import CountSketch
 
 IGNORE = -100
@@ -297,7 +305,7 @@ class GradientFidelity:
 
         `behaviors` maps a label to a model, or to two `Group`s of recorded samples (with `behavior_logprobs`)."""
         on, rewards = self.on_policy(row, index)
-        out: dict[str, Any] = {"index": index, "floor": prompt_terms(on, on[2:]), "terms": {}, "weights": {}}
+        out: dict[str, Any] = {"index": index, "floor": floor_terms(on), "terms": {}, "weights": {}}
         for slot, (label, behavior) in enumerate(behaviors.items()):
             result = self.stale(row, on, label, behavior, index, slot)
             out["terms"][label], out["weights"][label] = result["terms"], result["weights"]
