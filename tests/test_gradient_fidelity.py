@@ -13,6 +13,7 @@ from hf_rlloss.recipe_support.fidelity_stats import (
     DROP,
     FLOOR,
     bootstrap_p,
+    bootstrap_p_error,
     drop_terms,
     fidelity_statistics,
     floor_terms,
@@ -135,6 +136,9 @@ def test_the_statistics_recover_a_known_bias_and_the_floor_holds_none():
         assert interval["ci_low"] < 0 < interval["ci_high"], name
     assert result["differences"]["biased - unbiased"]["relative_bias_sq"]["ci_low"] > 0
     assert bootstrap_p(np.array([1.0, 2.0, -1.0, 3.0])) == pytest.approx(0.5)
+    # one resample of ten below 0: q = 0.1, p = 0.2, its Monte-Carlo error 2 √(q (1 − q) / 10)
+    tenth = np.array([-1.0] + [1.0] * 9)
+    assert bootstrap_p(tenth) == pytest.approx(0.2) and bootstrap_p_error(tenth) == pytest.approx(2 * np.sqrt(0.009))
 
 
 def test_the_noise_floors_terms_pair_only_independent_groups_and_its_cosine_reads_1():

@@ -6,6 +6,7 @@ correction's gradient against the on-policy gradient, on checkpoints of a real a
     python -m benchmarks.experiments.gradient_fidelity pilot       # the pilot the registration is sized from
     python -m benchmarks.experiments.gradient_fidelity run         # the registered cells, resumable, prompt by prompt
     python -m benchmarks.experiments.gradient_fidelity analyze     # the registered tests: analysis.json, the plot
+    python -m benchmarks.experiments.gradient_fidelity holm-stability  # the Holm decisions over 20 bootstrap seeds
     python -m benchmarks.experiments.gradient_fidelity report      # the diagnostic's output on every cell, with the
                                                                    # zero update (drop) and the zero-advantage share
 
@@ -274,14 +275,15 @@ def per_prompt_rows(cell: dict) -> list[dict]:
              "rewards": r["rewards"]} for r in rows]  # fmt: skip
 
 
-def cell_report(cell: dict, resamples: int = 4000, drop: bool = False) -> dict:
+def cell_report(cell: dict, resamples: int = 4000, drop: bool = False, seed: int = 0) -> dict:
     """One cell's `fidelity_report`: as registered (without the zero update), or with it (`drop`, the diagnostic's
     output since: not part of the registered analysis)."""
     from hf_rlloss.recipe_support.gradient_fidelity import CORRECTIONS, fidelity_report
 
     names = list(cell["prompts"][0]["terms"]) if cell["prompts"] else list(CORRECTIONS)
     rows = per_prompt_rows(cell)
-    return fidelity_report(rows, names, batch_groups=2, resamples=resamples, drop=drop)[str(cell["cell"]["lag"])]
+    report = fidelity_report(rows, names, batch_groups=2, resamples=resamples, drop=drop, seed=seed)
+    return report[str(cell["cell"]["lag"])]
 
 
 def report(resamples: int) -> int:
@@ -322,14 +324,15 @@ def _test(report: dict, x: str, y: str, statistic: str = "relative_bias") -> dic
     return {**entry, "rejects": not entry["ci_low"] <= 0 <= entry["ci_high"]}
 
 
-def analysis(cells: dict[tuple[str, int], dict], resamples: int = 4000) -> dict:
+def analysis(cells: dict[tuple[str, int], dict], resamples: int = 4000, seed: int = 0) -> dict:
     """The registered tests from the cell files: the primary (C − B relative bias, late checkpoint, lag 8: paired
     bootstrap interval, with the paired t and sign test of the per-prompt squared-bias differences), the controls,
-    and the Holm-corrected secondary family; cells not (fully) measured are listed, never tested."""
+    and the Holm-corrected secondary family; cells not (fully) measured are listed, never tested. `seed` offsets every
+    bootstrap's seed (0: the registered analysis)."""
     from benchmarks.shared import stats
 
     complete = {key: c for key, c in cells.items() if len(c["prompts"]) >= _planned(*key)}
-    reports = {key: cell_report(c, resamples) for key, c in cells.items() if len(c["prompts"]) >= 3}
+    reports = {key: cell_report(c, resamples, seed=seed) for key, c in cells.items() if len(c["prompts"]) >= 3}
     out = {"cells": {f"{k}_lag{lag}": {"prompts": len(c["prompts"]), "planned": _planned(k, lag),
                                        "report": reports.get((k, lag))} for (k, lag), c in cells.items()},
            "incomplete": [f"{k}_lag{lag}" for k, lag in CELLS if (k, lag) not in complete]}  # fmt: skip
@@ -349,7 +352,7 @@ def analysis(cells: dict[tuple[str, int], dict], resamples: int = 4000) -> dict:
     if ("early", 8) in complete:
         secondary["C - B, early, lag 8"] = _test(reports[("early", 8)], c_name, b_name)
         if (checkpoint, lag) in complete:
-            secondary["(C - B) late - early, lag 8"] = _between_checkpoints(complete, resamples)
+            secondary["(C - B) late - early, lag 8"] = _between_checkpoints(complete, resamples, seed)
     if (checkpoint, lag) in complete:
         for name in OTHER_CORRECTIONS:
             if name in reports[(checkpoint, lag)]["estimators"]:
@@ -377,32 +380,31 @@ def _planned(checkpoint: str, lag: int) -> int:
     return CONTROL_PROMPTS if lag == 0 else PROMPTS[checkpoint]
 
 
-def _between_checkpoints(cells: dict, resamples: int) -> dict:
+def _between_checkpoints(cells: dict, resamples: int, seed: int = 0) -> dict:
     """(r_C − r_B) on the late checkpoint minus that on the early one, at lag 8: independent prompts, so each
-    checkpoint's prompts are resampled on their own (bootstrap, 4000 resamples each, seeds 0 and 1)."""
-    from hf_rlloss.recipe_support.fidelity_stats import bootstrap_p
+    checkpoint's prompts are resampled on their own (bootstrap, `resamples` each, seeds 2·seed and 2·seed + 1)."""
+    from hf_rlloss.recipe_support.fidelity_stats import bootstrap_p, bootstrap_p_error
 
     draws = []
-    for seed, key in enumerate((("late", 8), ("early", 8))):
+    for offset, key in enumerate((("late", 8), ("early", 8))):
         rows = per_prompt_rows(cells[key])
-        rng = np.random.default_rng(seed)
-        values = []
-        for index in [np.arange(len(rows))] + [rng.integers(0, len(rows), len(rows)) for _ in range(resamples)]:
-            values.append(_delta_r([rows[i] for i in index], str(key[1])))
-        draws.append(np.array(values))
+        rng = np.random.default_rng(2 * seed + offset)
+        index = np.stack([np.arange(len(rows))] + [rng.integers(0, len(rows), len(rows)) for _ in range(resamples)])
+        draws.append(_delta_r(rows, str(key[1]), index))
     delta = draws[0] - draws[1]
     low, high = np.nanpercentile(delta[1:], [2.5, 97.5])
-    return {"value": float(delta[0]), "ci_low": float(low), "ci_high": float(high), "p": bootstrap_p(delta[1:]),
-            "rejects": not low <= 0 <= high}  # fmt: skip
+    p, p_mc_se = bootstrap_p(delta[1:]), bootstrap_p_error(delta[1:])
+    return {"value": float(delta[0]), "ci_low": float(low), "ci_high": float(high), "p": p, "p_mc_se": p_mc_se,
+            "resamples": resamples, "rejects": not low <= 0 <= high}  # fmt: skip
 
 
-def _delta_r(rows: list[dict], label: str) -> float:
-    n = np.mean([r["floor"]["n"] for r in rows])
-    if n <= 0:
-        return float("nan")
-    r = {name: np.sqrt(max(np.mean([row["terms"][label][name]["b"] for row in rows]), 0.0) / n)
-         for name in ("token_tis", "none")}  # fmt: skip
-    return float(r["token_tis"] - r["none"])
+def _delta_r(rows: list[dict], label: str, index: np.ndarray) -> np.ndarray:
+    """``r_C − r_B`` (relative biases) of each resample of the prompts, `index` `(resamples, P)`."""
+    n = np.array([row["floor"]["n"] for row in rows])[index].mean(axis=1)
+    n = np.where(n > 0, n, np.nan)
+    r = {name: np.sqrt(np.maximum(np.array([row["terms"][label][name]["b"] for row in rows])[index].mean(axis=1),
+                                  0.0) / n) for name in ("token_tis", "none")}  # fmt: skip
+    return r["token_tis"] - r["none"]
 
 
 def load_cells(out: Path = OUT) -> dict[tuple[str, int], dict]:
@@ -423,6 +425,30 @@ def analyze(resamples: int) -> int:
     return 0
 
 
+def holm_stability(resamples: list[int], seeds: int) -> int:
+    """The registered analysis' Holm decisions over `seeds` bootstrap seeds at each count of `resamples`: per
+    secondary test, how many seeds reject, its Holm-adjusted p-values' range and the largest Monte-Carlo error of its
+    p. Writes `holm_stability.json`; exit 0 (a description, not a test)."""
+    cells = load_cells()
+    result = {"meta": provenance(), "seeds": seeds, "by_resamples": {}}
+    for count in resamples:
+        runs = [analysis(cells, count, seed)["secondary"] for seed in range(seeds)]
+        tests = {}
+        for name in runs[0]:
+            holm = [run[name]["p_holm"] for run in runs]
+            tests[name] = {"rejecting_seeds": sum(bool(run[name]["rejects_holm"]) for run in runs),
+                           "p_holm_min": min(holm), "p_holm_max": max(holm),
+                           "p_mc_se_max": max(run[name].get("p_mc_se") or 0.0 for run in runs)}  # fmt: skip
+        stable = all(t["rejecting_seeds"] in (0, seeds) for t in tests.values())
+        result["by_resamples"][str(count)] = {"tests": tests, "every_decision_stable": stable}
+        print(f"{count} resamples: every Holm decision the same over {seeds} seeds: {stable}")
+        for name, t in tests.items():
+            print(f"  {name}: rejects in {t['rejecting_seeds']}/{seeds} seeds, Holm p {t['p_holm_min']:.4f}"
+                  f"-{t['p_holm_max']:.4f}")  # fmt: skip
+    (OUT / "holm_stability.json").write_text(json.dumps(result, indent=1, default=float))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -437,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p_analyze = sub.add_parser("analyze", help="the registered tests: analysis.json and the plot")
     p_analyze.add_argument("--resamples", type=int, default=4000)
+    p_holm = sub.add_parser("holm-stability", help="the Holm decisions over bootstrap seeds: holm_stability.json")
+    p_holm.add_argument("--resamples", type=int, nargs="+", default=[4000, 40000])
+    p_holm.add_argument("--seeds", type=int, default=20)
     p_report = sub.add_parser("report", help="the diagnostic's output on every cell, with the zero update")
     p_report.add_argument("--resamples", type=int, default=4000)
     return parser
@@ -454,6 +483,8 @@ def main() -> int:
         return run(args.threads, args.only, args.jobs, args.worker)
     if args.command == "report":
         return report(args.resamples)
+    if args.command == "holm-stability":
+        return holm_stability(args.resamples, args.seeds)
     return analyze(args.resamples)
 
 

@@ -116,6 +116,17 @@ def bootstrap_p(resampled: np.ndarray) -> float:
     return float(min(1.0, 2 * min((finite <= 0).mean(), (finite >= 0).mean())))
 
 
+def bootstrap_p_error(resampled: np.ndarray) -> float:
+    """The Monte-Carlo standard error of `bootstrap_p` over `R` resamples: ``2 √(q (1 − q) / R)`` for the smaller tail
+    share ``q`` (a binomial share, doubled); it shrinks as ``1/√R``, which is how many resamples a decision at a
+    threshold needs to be read off."""
+    finite = resampled[np.isfinite(resampled)]
+    if finite.size == 0:
+        return float("nan")
+    q = min((finite <= 0).mean(), (finite >= 0).mean())
+    return float(2 * np.sqrt(q * (1 - q) / finite.size))
+
+
 def fidelity_statistics(
     per_prompt: Mapping[str, Sequence[Mapping[str, float]]],
     batch_groups: int = 2,
@@ -160,6 +171,7 @@ def fidelity_statistics(
         entry = {}
         for key in STATISTICS:
             delta = stats[x][key] - stats[y][key]
-            entry[key] = {**_summary(delta[0], delta[1:]), "p": bootstrap_p(delta[1:])}
+            entry[key] = {**_summary(delta[0], delta[1:]), "p": bootstrap_p(delta[1:]),
+                          "p_mc_se": bootstrap_p_error(delta[1:]), "resamples": resamples}  # fmt: skip
         result["differences"][label] = entry
     return result

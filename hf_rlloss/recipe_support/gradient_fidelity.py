@@ -328,6 +328,7 @@ def fidelity_report(
     batch_groups: int = 2,
     resamples: int = 4000,
     drop: bool = True,
+    seed: int = 0,
 ) -> dict:
     """`GradientFidelity.report` from stored per-prompt results (`GradientFidelity.measure`'s dicts). With `drop`, the
     zero update (`fidelity_stats.DROP`) is an estimator too, each correction's difference to it is reported
@@ -341,7 +342,7 @@ def fidelity_report(
         if drop:
             terms[DROP] = [drop_terms(r["floor"]) for r in per_prompt]
             differences.update({f"{name} - {DROP}": (name, DROP) for name in names})
-        stats = fidelity_statistics(terms, batch_groups, resamples, differences=differences)
+        stats = fidelity_statistics(terms, batch_groups, resamples, seed=seed, differences=differences)
         flagged = zero_advantage_prompts(per_prompt, label) if drop else None
         for name in names:
             total, squares, count = np.sum([r["weights"][label][name] for r in per_prompt], axis=0)
