@@ -36,6 +36,7 @@ status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -395,30 +396,15 @@ def run_with_deadline(cmd: list[str], env: dict, log: Path, timeout: float) -> i
 
 
 def kill_process_tree(pid: int) -> None:
-    """SIGKILL `pid`'s descendants and `pid` (by PID, so that those in sessions of their own die too), then what is
-    left of its process group."""
-    try:
-        import psutil
+    """SIGKILL `pid` and its descendants, each by PID (`benchmarks/shared/launch.kill_tree`: workers in sessions of
+    their own die too), then what is left of its process group."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.shared.launch import kill_tree
 
-        procs = psutil.Process(pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - psutil missing or the process gone: the process group below still goes
-        procs = []
-    for proc in procs:
-        with _ignored(Exception):
-            proc.kill()
-    with _ignored(ProcessLookupError, PermissionError):
+    kill_tree(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-
-
-class _ignored:
-    def __init__(self, *errors):
-        self.errors = errors
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, self.errors)
 
 
 def run_step(

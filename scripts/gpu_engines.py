@@ -28,14 +28,10 @@ ENGINES = ("zero3", "fsdp2")
 
 def command(engine: str, device: str, work: Path, out: Path) -> list[str]:
     """The `accelerate launch` of one engine on `device`."""
-    from benchmarks.shared.launch import accelerate_launch, cpu_accelerate_config
+    from benchmarks.shared.launch import accelerate_launch, cpu_accelerate_config, shipped_accelerate_config
 
     if device == "cuda":
-        import yaml
-
-        config = yaml.safe_load((ROOT / "accelerate_configs" / f"{engine}.yaml").read_text()) | {"num_processes": 1}
-        path = work / f"{engine}_1gpu.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path = shipped_accelerate_config(engine, work, "1gpu", num_processes=1)
     else:
         path = cpu_accelerate_config(engine, work, num_processes=1)
     # on the CPU, FSDP2 needs the test-only shim that gives Accelerate a real FSDP state (tests/_cpu_fsdp.py)

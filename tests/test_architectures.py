@@ -43,7 +43,6 @@ from _architectures import (
     stock_trl_cell,
     tiny_model,
 )
-from packaging.version import Version
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_rlloss.parallel import layouts
@@ -59,6 +58,7 @@ from hf_rlloss.trainer.common import packing as packing_module
 from hf_rlloss.trainer.common.forwards import _roll_rows, prompt_and_completion, right_aligned
 from hf_rlloss.trainer.common.lm_head import causal_lm
 from hf_rlloss.trainer.common.packing import prepare_packing
+from hf_rlloss.trainer.common.transformers_compat import transformers_at_least
 
 torch.set_num_threads(1)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
@@ -189,7 +189,7 @@ def test_a_model_that_drops_the_layout_is_stopped(monkeypatch):
     """Falcon's layers do not pass the attention's keyword arguments on: without its entry in the rule, the packed
     forward reaches the attention without its layout, and the attention refuses it rather than read the row as one
     sequence."""
-    if Version(transformers.__version__) < Version("5.25"):
+    if not transformers_at_least("5.25"):
         pytest.skip("Falcon's attention goes through transformers' AttentionInterface from 5.25 on (before: off)")
     monkeypatch.delitem(layouts._FAMILY_MIXERS, "falcon")
     result = matrix_row("falcon")
@@ -544,7 +544,7 @@ def skip_below_its_transformers(family: str) -> None:
     """Skip `family` on a transformers older than the release it needs (`TRANSFORMERS_SINCE`)."""
     base = family.removesuffix("_compressed")
     for table, what in ((TRANSFORMERS_SINCE, "ships"), (PADDED_FORWARD_EXACT_SINCE, "pads exactly")):
-        if base in table and Version(transformers.__version__) < Version(table[base]):
+        if base in table and not transformers_at_least(table[base]):
             pytest.skip(f"{base}: transformers >= {table[base]} {what} it ({transformers.__version__} installed)")
 
 
@@ -765,7 +765,7 @@ def _check_block(begin: str, end: str, table: str) -> None:
     """docs/architectures.md holds `table` between `begin` and `end`: the same text, and numbers that pass the same
     tolerances (they are round-off: another machine reorders float32 sums differently); rewritten with
     HF_RLLOSS_WRITE_DOCS=1."""
-    if Version(transformers.__version__) < Version(DOCS_TRANSFORMERS):
+    if not transformers_at_least(DOCS_TRANSFORMERS):
         pytest.skip(f"docs/architectures.md is generated with transformers {DOCS_TRANSFORMERS}, the suite's; an older "
                     f"release ({transformers.__version__}) ships other families and reasons")  # fmt: skip
     page = DOCS.read_text()

@@ -10,11 +10,10 @@ import _launch
 import crash_resume_script
 import pytest
 import torch
-import transformers
 from _full_matrix import full_matrix as full_matrix_mark
-from packaging.version import Version
 from safetensors.torch import save_file
 
+from hf_rlloss.trainer.common.transformers_compat import transformers_at_least
 from hf_rlloss.trainer.sync.checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
@@ -172,7 +171,7 @@ full_matrix = full_matrix_mark("the full engine matrix")
 def test_killed_during_a_save_and_during_a_step_the_restarted_run_equals_an_uninterrupted_one(
     tmp_path, world_size, sp_size
 ):
-    if world_size > 1 and Version(transformers.__version__) < Version("5.18"):
+    if world_size > 1 and not transformers_at_least("5.18"):
         pytest.skip("transformers < 5.18 loads a multi-process CPU run's optimizer to 'cpu:N', which torch cannot "
                     "restore (its Trainer maps to plain 'cpu' from 5.18)")  # fmt: skip
     launch = functools.partial(crash_resume_script.launch, world_size=world_size, sp_size=sp_size)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 
 from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from hf_rlloss.trainer.common.shared_prefill import distinct_rows, sharing_prompts
+from hf_rlloss.trainer.common.transformers_compat import transformers_at_least
 
 LOGP_TOL = 1e-4  # derived in the module docstring
 VOCAB, PAD = 64, 0
@@ -343,7 +343,7 @@ def test_preallocated_layer_holds_what_a_dynamic_layer_holds():
     dynamic.reorder_cache(torch.tensor([3, 1])), layer.reorder_cache(torch.tensor([3, 1]))  # beam search's selection
     dynamic.update(*(t[:2] for t in step)), layer.update(*(t[:2] for t in step))
     same()
-    if Version(transformers.__version__) >= Version("5.18"):  # before, DynamicLayer.reset zeroed what update grows
+    if transformers_at_least("5.18"):  # before, DynamicLayer.reset zeroed what update grows
         dynamic.reset(), layer.reset()
         dynamic.update(*prompt), layer.update(*prompt)
         same()

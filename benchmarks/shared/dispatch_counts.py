@@ -19,13 +19,11 @@ composite decompositions; the backward's operators too, which run on the calling
 from __future__ import annotations
 
 import collections
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNC_OPS", "DispatchCounts", "counting"]
+__all__ = ["SYNC_OPS", "DispatchCounts"]
 
 #: ATen operators that read device memory back to the host, or size their output from the data.
 SYNC_OPS = frozenset({
@@ -97,10 +95,3 @@ class DispatchCounts(TorchDispatchMode):
     @property
     def total_syncs(self) -> int:
         return sum(self.syncs.values())
-
-
-@contextlib.contextmanager
-def counting() -> Iterator[DispatchCounts]:
-    """`with counting() as counts:`: a fresh `DispatchCounts` over the block."""
-    with DispatchCounts() as counts:
-        yield counts

@@ -132,14 +132,21 @@ def torchrun(nproc: int) -> list[str]:
     ]
 
 
+def shipped_accelerate_config(name: str, out_dir: Path, suffix: str, **overrides) -> Path:
+    """The shipped `accelerate_configs/<name>.yaml` with `overrides` replacing top-level keys, written to
+    `out_dir/<name>_<suffix>.yaml`."""
+    config = yaml.safe_load((ROOT / "accelerate_configs" / f"{name}.yaml").read_text()) | overrides
+    path = Path(out_dir) / f"{name}_{suffix}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def cpu_accelerate_config(name: str, out_dir: Path, num_processes: int = 2, **overrides) -> Path:
     """The shipped `accelerate_configs/<name>.yaml` made to run here: on CPU, `num_processes` processes, fp32; its
     sharding settings unchanged. `overrides` replace further top-level keys."""
-    config = yaml.safe_load((ROOT / "accelerate_configs" / f"{name}.yaml").read_text())
-    config.update(use_cpu=True, num_processes=num_processes, mixed_precision="no", **overrides)
-    path = Path(out_dir) / f"{name}_cpu.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return shipped_accelerate_config(
+        name, out_dir, "cpu", use_cpu=True, num_processes=num_processes, mixed_precision="no", **overrides
+    )
 
 
 def accelerate_launch(

@@ -398,12 +398,15 @@ def format_report(report: Mapping[str, Any], corrections: Mapping[str, Correctio
             share = entry.get("zero_advantage_bias_share")
             cells.append("" if share is None or not math.isfinite(share) else f"{share:.2f}")
             ess = entry.get("ess")
-            described = {FLOOR: "split-half on-policy", DROP: "the zero update: the stale batch not trained on"}
-            described = corrections[name].description if name in corrections else described.get(name, name)
+            described = corrections[name].description if name in corrections else _REFERENCES.get(name, name)
             ess_cell = "" if ess is None or not math.isfinite(ess) else f"{ess:.3f}"
             lines.append(f"| {name} ({described}) | {' | '.join(cells)} | {ess_cell} |")
         lines.append("")
     return "\n".join(lines)
+
+
+# The report's two reference rows, which are not corrections.
+_REFERENCES = {FLOOR: "split-half on-policy", DROP: "the zero update: the stale batch not trained on"}
 
 
 def _interval(entry: Mapping[str, float]) -> str:

@@ -41,11 +41,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers.utils import logging
 
 from ...loss.metrics import Reduction, register_finalizer, register_metric
 from ...parallel.sequence import sp_gather, sp_rank, sp_split
+from .transformers_compat import transformers_at_least
 
 __all__ = [
     "ROUTE_KEYS",
@@ -127,10 +129,7 @@ class RouterFamily:
     since: str | None = None
 
     def supported(self) -> bool:
-        from packaging.version import Version
-        from transformers import __version__
-
-        return self.since is None or Version(__version__) >= Version(self.since)
+        return self.since is None or transformers_at_least(self.since)
 
 
 ROUTER_FAMILIES = (
@@ -167,13 +166,12 @@ def find_routers(model: nn.Module) -> list[tuple[nn.Module, RouterFamily]]:
     if routers:
         return routers
     unknown = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Router", "Gate"))})
-    from transformers import __version__
-
     for family in ROUTER_FAMILIES:
         if family.name in unknown and not family.supported():
             raise ValueError(
-                f"routing_replay replays {family.name} from transformers {family.since} on ({__version__} is "
-                "installed, whose router returns its outputs in another order): upgrade transformers, or set "
+                f"routing_replay replays {family.name} from transformers {family.since} on "
+                f"({transformers.__version__} is installed, whose router returns its outputs in another order): "
+                "upgrade transformers, or set "
                 "routing_replay='off'"
             )
     known = ", ".join(f.name for f in ROUTER_FAMILIES)

@@ -33,7 +33,16 @@ __all__ = [
     "is_checkpointing",
     "to_new_checkpointing_names",
     "to_old_checkpointing_names",
+    "transformers_at_least",
 ]
+
+
+def transformers_at_least(release: str) -> bool:
+    """Whether the installed transformers is `release` or newer (a feature or a model family that needs it)."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return Version(__version__) >= Version(release)
 
 
 def _cache_argument() -> str:
