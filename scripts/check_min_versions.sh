@@ -4,7 +4,8 @@
 # of a tiny model from outside the repository (the offline example of docs/index.md, "Train from Python, offline"),
 # then run the default test suite in that environment (the test extra installed under the same constraints).
 #
-#   scripts/check_min_versions.sh [WORK_DIR]      # WORK_DIR: where the venv and the run go (default: a new temp dir)
+#   scripts/check_min_versions.sh [WORK_DIR]      # WORK_DIR: where the venv and the run go (default: a new temp dir;
+#                                                 # outside the checkout, whose hf_rlloss the run must not import)
 #   TORCH_VERSION=2.6.0 scripts/check_min_versions.sh   # torch at its bound too (a multi-GB download on Linux)
 #   SKIP_SUITE=1 scripts/check_min_versions.sh    # the install and the two steps only
 #
@@ -16,6 +17,10 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${1:-$(mktemp -d)}"
+case "$(realpath -m "$WORK")/" in
+    "$ROOT"/*) echo "WORK_DIR $WORK is inside the checkout: the wheel installed there would pass for the checkout's" \
+        "hf_rlloss; give a folder outside $ROOT" >&2; exit 2 ;;
+esac
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 START=$(date +%s)
