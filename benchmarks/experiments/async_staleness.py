@@ -85,7 +85,7 @@ def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prom
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
     from hf_rlloss.recipe_support.rewards import accuracy_reward
-    from hf_rlloss.trainer.async_.cpu_rollout import group_advantages
+    from hf_rlloss.trainer.common.advantages import group_advantages
     from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 
     class LaggedSampler:

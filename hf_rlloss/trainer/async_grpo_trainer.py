@@ -52,7 +52,7 @@ from .async_ import resume as rollout_resume
 from .async_.attention import portable_async_trl, tree_attention_name, use_tree_attention
 from .async_.packed_rows import PackedRow, VersionedCollator, packed_row
 from .async_.routing import AsyncRoutingReplay
-from .async_.staleness import AsyncStaleness, NoTrainableSamplesError
+from .async_.staleness import AsyncStaleness, NoTrainableSamplesError, check_fixed_lag_setup
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
 from .common.forwards import LossLayerForwards
@@ -179,7 +179,7 @@ class RLLossAsyncGRPOTrainer(AsyncStaleness, AsyncRoutingReplay, LossLayerForwar
         self._reset_run_counters()
         self._setup_staleness(rollout_worker)
         if self.accelerator.is_main_process:
-            rollout_resume.check_fixed_lag_setup(rollout_worker, weight_transfer, args, self.accelerator.num_processes)
+            check_fixed_lag_setup(rollout_worker, weight_transfer, args, self.accelerator.num_processes)
         reference_lm = None if self.ref_model is None else causal_lm(self.accelerator.unwrap_model(self.ref_model))
         self._setup_routing_replay(args.routing_replay, causal_lm(unwrapped), reference_lm)
 

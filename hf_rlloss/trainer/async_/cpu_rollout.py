@@ -22,15 +22,16 @@ import torch
 from transformers.utils import logging
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from ..common.advantages import group_advantages
 from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 from ..common.routing_replay import RoutingReplay, generation_routes
 from ..common.sampling import generate_and_cut
 from ..common.shared_prefill import sharing_prompts
 from .routing import sample_routes
-from .scoring import NoRolloutSamplesError, group_advantages
-from .staleness import check_weight_lag, least_trained_lag
+from .scoring import NoRolloutSamplesError
+from .staleness import check_weight_lag, least_trained_lag, version_for_batch
 from .worker import VLLM_ONLY_OPTIONS, QueueWeightTransfer, RolloutWorker, RolloutWorkerDiedError
-from .worker_loop import WorkerLoop, batch_seed, id_list, version_for_batch
+from .worker_loop import WorkerLoop, batch_seed, id_list
 
 logger = logging.get_logger(__name__)
 

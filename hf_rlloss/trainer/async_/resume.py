@@ -33,7 +33,6 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "ROLLOUT_STATE",
-    "check_fixed_lag_setup",
     "first_untrained",
     "load_rollout_state",
     "restore_rollout",
@@ -53,31 +52,6 @@ def resumable(worker: Any) -> bool:
 def first_untrained(trained: set[int]) -> int:
     """The smallest group id (counted from the worker's start) with no trained sample."""
     return next(g for g in itertools.count() if g not in trained)
-
-
-def check_fixed_lag_setup(worker: Any, transfer: Any, args: Any, num_processes: int) -> None:
-    """Refuse, at construction, a `fixed_lag` worker whose batches are not one optimizer step each, whose pipeline is
-    shallower than the steps' pull, or whose weight transfer keeps no versions."""
-    lag = getattr(worker, "fixed_lag", None)
-    if lag is None:
-        return
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
-    per_batch = worker.groups_per_batch * args.num_generations
-    if per_batch != per_step:
-        raise ValueError(
-            f"fixed_lag needs one rollout batch per optimizer step: the worker's batch has groups_per_batch × "
-            f"num_generations = {per_batch} samples, a step per_device_train_batch_size × gradient_accumulation_steps"
-            f" × processes = {per_step}"
-        )
-    if lag < args.num_mini_batches:
-        raise ValueError(
-            f"fixed_lag={lag} < num_mini_batches={args.num_mini_batches}: a step pulls {args.num_mini_batches} "
-            "batches ahead, before the policy their sampling waits for exists; set fixed_lag >= num_mini_batches"
-        )
-    if not callable(getattr(transfer, "keep", None)):
-        raise ValueError(
-            f"fixed_lag needs QueueWeightTransfer (it keeps the versions a checkpoint saves); got {type(transfer)}"
-        )
 
 
 def save_rollout_state(checkpoint_dir: str, worker: Any, transfer: Any, trained: set[int], model_version: int) -> dict:

@@ -5,8 +5,8 @@ computed as TRL's `GRPOTrainer` computes it, and turned into TRL `RolloutSample`
 * **Rewards.** The reward functions, summed (a completion every function skipped is unscored: advantage 0, TRL's
   rule), then an environment's `get_reward` as a column of its own per environment class. A non-finite reward is a
   `NonFiniteRewardError` of its episode.
-* **Advantages** (`group_advantages`): `r − mean` over the group, divided by TRL's unbiased std + 1e-4 under
-  `scale_rewards="group"`, the batch's under `"batch"`, not divided under `"none"`.
+* **Advantages** (`common.advantages.group_advantages`): `r − mean` over the group, divided by TRL's unbiased
+  std + 1e-4 under `scale_rewards="group"`, the batch's under `"batch"`, not divided under `"none"`.
 * **The rollout-error policy** (`RolloutErrorPolicy`): every error is counted (`rollout/errors/<kind>_total`); under
   `"raise"` the worker stops with the first, under `"drop"` the group is dropped and counted
   (`rollout/dropped_groups/<kind>_total`), under `"feed_back"` (TRL's behaviour) it is trained. A budget cut follows
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from ..common.advantages import group_advantages, nanstd
 from .episodes import BudgetCutError, Episode, NonFiniteRewardError, RolloutError
 
 __all__ = [
@@ -35,8 +36,6 @@ __all__ = [
     "GroupScoring",
     "NoRolloutSamplesError",
     "RolloutErrorPolicy",
-    "group_advantages",
-    "nanstd",
     "summed_rewards",
 ]
 
@@ -92,29 +91,6 @@ class RolloutErrorPolicy:
         if followed and self.on_rollout_error == "raise":
             raise followed[0]
         return sorted({e.kind for e in followed}) if self.on_rollout_error == "drop" else []
-
-
-def nanstd(values: np.ndarray) -> float:
-    """TRL's `nanstd`: the unbiased standard deviation of the finite values (0 with fewer than two)."""
-    values = values[~np.isnan(values)]
-    return float(values.std(ddof=1)) if values.size > 1 else 0.0
-
-
-def group_advantages(rewards: np.ndarray, scale_rewards: str = "group", batch_std: float | None = None):
-    """`(G,)` advantages of one group's summed rewards as TRL's `GRPOTrainer` computes them: `r − mean`, divided by
-    `std + 1e-4` (TRL's unbiased std: the group's under `"group"`, `batch_std` under `"batch"`; not divided under
-    `"none"`), over the scorable completions; 0 for a completion every reward function skipped (NaN). Also the
-    group's reward mean and std (NaN when nothing was scorable)."""
-    scored = ~np.isnan(rewards)
-    advantages = np.zeros_like(rewards)
-    if not scored.any():
-        return advantages, float("nan"), float("nan")
-    values = rewards[scored]
-    std = nanstd(values)
-    advantages[scored] = values - values.mean()
-    if scale_rewards != "none":
-        advantages[scored] /= (std if scale_rewards == "group" else batch_std) + 1e-4
-    return advantages, float(values.mean()), std
 
 
 def summed_rewards(per_func: np.ndarray) -> np.ndarray:

@@ -18,9 +18,12 @@ One rule: a sample is trained only if `trained at − sampled by <= max_stalenes
 * **Admissible configurations.** `least_trained_lag` is the least lag a sample can have when trained;
   `check_weight_lag` refuses, at construction of the config, the workers and the trainer, a configuration under
   which it exceeds `max_staleness` (every sample would be dropped).
+* **Fixed lag.** Under a worker's `fixed_lag`, batch `b` is sampled from the policy of optimizer step `b − fixed_lag`
+  (`version_for_batch`); `check_fixed_lag` refuses, at the worker's construction, a lag `max_staleness` would drop,
+  and `check_fixed_lag_setup`, at the trainer's, a worker whose batches are not one optimizer step each.
 
-`AsyncStaleness` is mixed into `RLLossAsyncGRPOTrainer`; the lag rules are also imported by the config and the
-rollout workers.
+`AsyncStaleness` is mixed into `RLLossAsyncGRPOTrainer`; the lag rules are also imported by the config, the rollout
+workers and their process' loop.
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, Ro
 from ..common.overrides import overridden
 from .packed_rows import PackedRow, keep_samples, packed_row
 
-__all__ = ["AsyncStaleness", "NoTrainableSamplesError", "check_weight_lag", "least_trained_lag"]
+__all__ = [
+    "AsyncStaleness",
+    "NoTrainableSamplesError",
+    "check_fixed_lag",
+    "check_fixed_lag_setup",
+    "check_weight_lag",
+    "least_trained_lag",
+    "version_for_batch",
+]
 
 
 def least_trained_lag(weight_lag: int, weight_sync_steps: int, num_mini_batches: int) -> int:
@@ -89,6 +100,57 @@ def check_weight_lag(weight_lag: int, args: Any) -> None:
         + (f", or weight_lag <= {staleness - syncs}" if staleness - syncs >= 0 else "")
         + " (gradient_accumulation_steps and queue_maxsize do not change the bound)"
     )
+
+
+def version_for_batch(batch: int, fixed_lag: int, weight_sync_steps: int) -> int:
+    """Under `fixed_lag`, the policy version batch `batch` (0-based, one optimizer step's samples) is sampled from:
+    the version of the policy after optimizer step `batch − fixed_lag` (the cold sync's, version 1, for the first
+    ones). TRL bumps the version after every `weight_sync_steps`-th step."""
+    return 1 + max(0, batch - fixed_lag) // weight_sync_steps
+
+
+def check_fixed_lag(fixed_lag: int, weight_lag: int, args: Any) -> None:
+    """Refuse, at the worker's construction, a `fixed_lag` that a batch cannot wait for, that is set with `weight_lag`,
+    or whose samples `max_staleness` would drop (`ceil(fixed_lag / weight_sync_steps)` versions old when trained)."""
+    if not isinstance(fixed_lag, int) or fixed_lag < 1:
+        raise ValueError(
+            f"fixed_lag={fixed_lag!r} must be an integer >= 1: the trainer's dataloader fetches the next step's first "
+            "micro-batch before it steps, so a batch cannot wait for the policy of the step before it is trained"
+        )
+    if weight_lag:
+        raise ValueError(f"weight_lag={weight_lag} and fixed_lag={fixed_lag}: set one of the two")
+    needed = -(-fixed_lag // args.weight_sync_steps)
+    staleness = getattr(args, "max_staleness", None)
+    if staleness is not None and staleness < needed:
+        raise ValueError(
+            f"fixed_lag={fixed_lag} with weight_sync_steps={args.weight_sync_steps} trains samples up to {needed} "
+            f"versions old: max_staleness={staleness} would drop them; set max_staleness >= {needed}"
+        )
+
+
+def check_fixed_lag_setup(worker: Any, transfer: Any, args: Any, num_processes: int) -> None:
+    """Refuse, at the trainer's construction, a `fixed_lag` worker whose batches are not one optimizer step each,
+    whose pipeline is shallower than the steps' pull, or whose weight transfer keeps no versions."""
+    lag = getattr(worker, "fixed_lag", None)
+    if lag is None:
+        return
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
+    per_batch = worker.groups_per_batch * args.num_generations
+    if per_batch != per_step:
+        raise ValueError(
+            f"fixed_lag needs one rollout batch per optimizer step: the worker's batch has groups_per_batch × "
+            f"num_generations = {per_batch} samples, a step per_device_train_batch_size × gradient_accumulation_steps"
+            f" × processes = {per_step}"
+        )
+    if lag < args.num_mini_batches:
+        raise ValueError(
+            f"fixed_lag={lag} < num_mini_batches={args.num_mini_batches}: a step pulls {args.num_mini_batches} "
+            "batches ahead, before the policy their sampling waits for exists; set fixed_lag >= num_mini_batches"
+        )
+    if not callable(getattr(transfer, "keep", None)):
+        raise ValueError(
+            f"fixed_lag needs QueueWeightTransfer (it keeps the versions a checkpoint saves); got {type(transfer)}"
+        )
 
 
 class NoTrainableSamplesError(RuntimeError):

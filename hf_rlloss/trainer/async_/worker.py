@@ -40,8 +40,8 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from .channel import LatestWeights, SampleChannel, SharedFlag
 from .multiturn import AgentSpec, MultiTurnRollouts, prepare_tokenizer
 from .process import ProcessDyingWithParent
-from .staleness import check_weight_lag
-from .worker_loop import WorkerLoop, WorkerSettings, version_for_batch, worker_main
+from .staleness import check_fixed_lag, check_weight_lag, version_for_batch
+from .worker_loop import WorkerLoop, WorkerSettings, worker_main
 
 __all__ = ["VLLM_ONLY_OPTIONS", "QueueWeightTransfer", "RolloutWorker", "RolloutWorkerDiedError"]
 
@@ -69,30 +69,13 @@ def _check_args(args: AsyncGRPOConfig, model: Any, weight_lag: int, fixed_lag: i
             )
     check_weight_lag(weight_lag, args)
     if fixed_lag is not None:
-        _check_fixed_lag(fixed_lag, weight_lag, args)
+        check_fixed_lag(fixed_lag, weight_lag, args)
     if not isinstance(model, str):
         raise TypeError(f"{name} loads its own copy of the policy: pass the model's path")
 
 
 def _default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(AsyncGRPOConfig) if f.name == name)
-
-
-def _check_fixed_lag(fixed_lag: int, weight_lag: int, args: AsyncGRPOConfig) -> None:
-    if not isinstance(fixed_lag, int) or fixed_lag < 1:
-        raise ValueError(
-            f"fixed_lag={fixed_lag!r} must be an integer >= 1: the trainer's dataloader fetches the next step's first "
-            "micro-batch before it steps, so a batch cannot wait for the policy of the step before it is trained"
-        )
-    if weight_lag:
-        raise ValueError(f"weight_lag={weight_lag} and fixed_lag={fixed_lag}: set one of the two")
-    needed = -(-fixed_lag // args.weight_sync_steps)
-    staleness = getattr(args, "max_staleness", None)
-    if staleness is not None and staleness < needed:
-        raise ValueError(
-            f"fixed_lag={fixed_lag} with weight_sync_steps={args.weight_sync_steps} trains samples up to {needed} "
-            f"versions old: max_staleness={staleness} would drop them; set max_staleness >= {needed}"
-        )
 
 
 def _picklable_reward_funcs(reward_funcs: Sequence[Callable] | None) -> list[Callable]:

@@ -3,9 +3,10 @@ the next batch, the batch sampled (by the backend's subclass) and scored (`scori
 the queue, the heartbeat ticked.
 
 Which policy version samples which batch: without `fixed_lag` the newest the worker received, `weight_lag` versions
-late; with it, the version of the batch (`version_for_batch`), a function of the batch's index alone, waited for if
-needed. Each batch is sampled under a seed derived from `(seed, index of its first prompt)` (`batch_seed`). The
-trainer's side of the worker (the process handle, its health, the weight transfer) is `async_/worker.py`.
+late; with it, the version of the batch (`staleness.version_for_batch`), a function of the batch's index alone,
+waited for if needed. Each batch is sampled under a seed derived from `(seed, index of its first prompt)`
+(`batch_seed`). The trainer's side of the worker (the process handle, its health, the weight transfer) is
+`async_/worker.py`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from .multiturn import AgentSpec, MultiTurnRollouts
 from .process import exit_with_parent
 from .scoring import GroupScoring
+from .staleness import version_for_batch
 
-__all__ = ["WorkerLoop", "WorkerSettings", "batch_seed", "id_list", "version_for_batch", "worker_main"]
+__all__ = ["WorkerLoop", "WorkerSettings", "batch_seed", "id_list", "worker_main"]
 
 
 def batch_seed(seed: int, first_group: int) -> int:
@@ -35,13 +37,6 @@ def batch_seed(seed: int, first_group: int) -> int:
     training, over epochs): a function of the two alone, so a resumed worker samples a batch as an uninterrupted one
     did, whatever it generated before. (The worker's RNG state itself is not saved: it is re-seeded per batch.)"""
     return int(np.random.SeedSequence([int(seed), int(first_group)]).generate_state(1)[0])
-
-
-def version_for_batch(batch: int, fixed_lag: int, weight_sync_steps: int) -> int:
-    """Under `fixed_lag`, the policy version batch `batch` (0-based, one optimizer step's samples) is sampled from:
-    the version of the policy after optimizer step `batch − fixed_lag` (the cold sync's, version 1, for the first
-    ones). TRL bumps the version after every `weight_sync_steps`-th step."""
-    return 1 + max(0, batch - fixed_lag) // weight_sync_steps
 
 
 def id_list(value: int | Sequence[int] | None) -> list[int]:
