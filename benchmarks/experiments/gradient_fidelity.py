@@ -159,7 +159,7 @@ def cell_file(checkpoint: str, lag: int, out: Path = OUT) -> Path:
     return out / f"cell_{checkpoint}_lag{lag}.json"
 
 
-def _append(path: Path, new: dict, row: dict) -> None:
+def append_row(path: Path, new: dict, row: dict) -> None:
     """Add one prompt's row to a cell's results file, under a lock (several workers may fill one cell): the file is
     re-read, the row added, and the file replaced whole, so an interrupted run resumes where it stopped."""
     import fcntl
@@ -194,7 +194,7 @@ def _clear_claims() -> None:
 
 
 def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, threads: int, corrections=None) -> None:
-    """The prompts of a cell not yet in its results file, each added when it is measured (`_append`); prompts are
+    """The prompts of a cell not yet in its results file, each added when it is measured (`append_row`); prompts are
     claimed one by one, so that `run --jobs N` workers share a cell."""
     import torch
     from tqdm.auto import tqdm
@@ -223,7 +223,7 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
             on, on_rewards = fidelity.on_policy(rows[i], index)
             torch.save((on, on_rewards), cache)
         stale = fidelity.stale(rows[i], on, str(lag), behavior, index, LAG_SLOT[lag])
-        _append(path, new, {
+        append_row(path, new, {
             "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": floor_terms(on),
             **stale, "rewards": {**on_rewards, **stale["rewards"]}, "seconds": round(time.time() - started, 1),
         })  # fmt: skip

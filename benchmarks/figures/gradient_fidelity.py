@@ -248,3 +248,20 @@ def other_secondaries(r) -> str:
         f"the relative MSE at 16 samples, C − B at the primary cell: {_ci(mse)} (Holm p {_holm(mse)}); the late "
         f"checkpoint's C − B minus the early one's, at lag 8: {_ci(between)} (Holm p {_holm(between)})"
     )
+
+
+FOLLOWUP_SIZING = "gradient_fidelity_followup/sizing.json"
+
+
+@table("gradient_fidelity_followup.sizing")
+def followup_sizing(r) -> str:
+    """The follow-up's sizing: each registered test's per-prompt mean and SD in the first experiment, and a paired
+    test's power by prompt count (`gradient_fidelity_followup.sizing`)."""
+    tests = r(FOLLOWUP_SIZING)["tests"]
+    counts = list(next(iter(tests.values()))["power"])
+    rows = ["| test | mean | SD | " + " | ".join(f"power, {n} prompts (α 0.05 / α 0.0167)" for n in counts) + " |",
+            "|---|---|---|" + "---|" * len(counts)]  # fmt: skip
+    for name, t in tests.items():
+        cells = " | ".join(f"{t['power'][n]['alpha_0.05']:.2f} / {t['power'][n]['alpha_0.0167']:.2f}" for n in counts)
+        rows.append(f"| {name} | {t['mean']:+.2f} | {t['sd']:.2f} | {cells} |")
+    return "\n".join(rows)
