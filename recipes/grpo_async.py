@@ -28,6 +28,7 @@ from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
 from hf_rlloss.recipe_support.assets import resolve_model
 from hf_rlloss.recipe_support.callbacks import MetricsPlotCallback, RunSummaryCallback
 from hf_rlloss.recipe_support.cpu_precision import usable_cpu_count
+from hf_rlloss.recipe_support.heldout import evaluate_completions
 from hf_rlloss.recipe_support.rewards import get_reward_funcs
 from hf_rlloss.recipe_support.tools import (
     addition_conversations,
@@ -83,9 +84,10 @@ class AsyncScriptArguments(GRPOScriptArguments):
             which a small model does not write on its own); the warmed-up policy is saved to
             `<output_dir>/tool_warmup` and trained from there.
         tool_warmup_learning_rate (`float`, *optional*, defaults to `5e-5`): the warm-up's AdamW learning rate.
-        heldout_samples (`int`, *optional*, defaults to `2`): with `tools`, conversations sampled per held-out
-            problem (at `temperature`) before and after training; the held-out accuracy is their mean (greedy
-            accuracy is written beside it, in `<output_dir>/heldout.json` with every item's result).
+        heldout_samples (`int`, *optional*, defaults to `2`): completions sampled per held-out problem (at
+            `temperature`) before and after training. With `tools` the held-out accuracy is their mean; without, it
+            is the greedy accuracy (as the synchronous recipe's). Both are in `<output_dir>/heldout.json`, with
+            every item's result.
     """
 
     vllm: bool = field(default=False, metadata={"help": "use TRL's vLLM worker and NCCL weight transfer"})
@@ -107,7 +109,7 @@ class AsyncScriptArguments(GRPOScriptArguments):
     vllm_engine_kv_cache_gib: int = field(default=1, metadata={"help": "VLLMRolloutWorker's KV cache (GiB)"})
     tool_warmup_steps: int = field(default=0, metadata={"help": "steps teaching the tool-call format first"})
     tool_warmup_learning_rate: float = field(default=5e-5, metadata={"help": "learning rate of the tool warm-up"})
-    heldout_samples: int = field(default=2, metadata={"help": "sampled conversations per held-out problem"})
+    heldout_samples: int = field(default=2, metadata={"help": "sampled completions per held-out problem"})
 
     def __post_init__(self):
         if self.vllm and self.vllm_engine:
@@ -186,25 +188,72 @@ def warm_up_tools(script_args, training_args, model_path, tokenizer, train, tool
     return out
 
 
-def heldout_with_tools(model, tokenizer, rows, tools, script_args, training_args) -> dict:
-    """The held-out evaluation of a tool run (`evaluate_with_tools`): sampled at the training temperature
-    (`heldout_samples` conversations per item, seeded), the accuracy the summary reports, and greedy; with the
-    items. The tools run in threads of the trainer's process (`tool_processes=0`), with the run's timeout."""
+def heldout_evaluation(model, tokenizer, rows, tools, script_args, training_args) -> dict:
+    """One held-out evaluation (`evaluate_with_tools`; without tools, `evaluate_completions`): sampled at the training
+    temperature (`heldout_samples` completions per item, seeded) and greedy, with the items. The accuracy the summary
+    reports is the sampled one with tools and the greedy one without (as the synchronous recipe's). Tools run in
+    threads of the trainer's process (`tool_processes=0`), with the run's timeout."""
     spec = AgentSpec(tools=list(tools), max_iterations=training_args.max_tool_calling_iterations,
                      tool_timeout_s=script_args.tool_timeout_s, tool_processes=0)  # fmt: skip
     args = (model, tokenizer, rows, spec, training_args.max_completion_length)
+    evaluate = evaluate_with_tools
+    if not tools:
+        args, evaluate = (model, tokenizer, rows, training_args.max_completion_length), evaluate_completions
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cpu_count())  # before and after training: the rollout process is not running
     try:
-        sampled = evaluate_with_tools(
+        sampled = evaluate(
             *args, temperature=training_args.temperature, samples_per_item=script_args.heldout_samples,
             seed=training_args.seed,
         )  # fmt: skip
-        greedy = evaluate_with_tools(*args)
+        greedy = evaluate(*args)
     finally:
         torch.set_num_threads(threads)
     items = [{"prompt": r["prompt"][-1]["content"], "answer": r["answer"]} for r in rows]
-    return {"accuracy": sampled["accuracy"], "sampled": sampled, "greedy": greedy, "items": items}
+    accuracy = sampled["accuracy"] if tools else greedy["accuracy"]
+    return {"accuracy": accuracy, "sampled": sampled, "greedy": greedy, "items": items}
+
+
+def heldout_before(script_args, training_args, splits, tokenizer, tools, model_path) -> tuple[list, dict, str]:
+    """Stage 2b: the held-out problems (the main process's; none without a test split or with `heldout_size` 0),
+    their evaluation before training (with a tool warm-up: before it, `untrained`, and after it, `step_0`), and the
+    path training starts from (the warmed-up policy's, with a warm-up)."""
+    test = splits.get(script_args.dataset_test_split)
+    heldout, evaluations = [], {}
+    if script_args.heldout_size > 0 and test is not None and PartialState().is_main_process:
+        heldout = list(test.select(range(min(script_args.heldout_size, len(test)))))
+
+    def evaluate(path: str) -> dict:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return heldout_evaluation(model, tokenizer, heldout, tools, script_args, training_args)
+
+    if tools and script_args.tool_warmup_steps:
+        if heldout:
+            evaluations["untrained"] = evaluate(model_path)
+        train = splits[script_args.dataset_train_split]
+        model_path = warm_up_tools(script_args, training_args, model_path, tokenizer, train, tools)
+    if heldout:
+        evaluations["step_0"] = evaluate(model_path)
+    return heldout, evaluations, model_path
+
+
+def heldout_after(trainer, model_path, tokenizer, heldout, evaluations, tools, script_args, summary) -> None:
+    """Stage 4: the held-out evaluation of the trained policy, added to the run summary, and every evaluation with
+    each item's result in `<output_dir>/heldout.json`."""
+    training_args = trainer.args
+    # the trained weights in a plain copy: the trainer's model runs its packed-attention implementation
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
+    evaluations[f"step_{trainer.state.global_step}"] = heldout_evaluation(
+        model, tokenizer, heldout, tools, script_args, training_args
+    )
+    summary.heldout += [(int(k[5:]), v["accuracy"]) for k, v in evaluations.items() if k.startswith("step_")]
+    if "untrained" in evaluations:
+        untrained = evaluations["untrained"]["accuracy"]
+        summary.notes.append(f"held-out accuracy before the tool warm-up {untrained:.2f}")
+        summary.values["heldout_untrained"] = untrained
+    with open(os.path.join(training_args.output_dir, "heldout.json"), "w") as f:
+        json.dump(evaluations, f, indent=1)
 
 
 def main(
@@ -229,26 +278,12 @@ def main(
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-
-    # Stage 2b, with tools: a template that renders them, the warm-up, the held-out evaluation before training
-    heldout, evaluations = None, {}
-    if tools:
+    if tools:  # a template that renders them
         tokenizer = with_tool_template(tokenizer)
-        test = splits.get(script_args.dataset_test_split)
-        if script_args.heldout_size > 0 and test is not None and state.is_main_process:
-            heldout = list(test.select(range(min(script_args.heldout_size, len(test)))))
-        if script_args.tool_warmup_steps:
-            if heldout:
-                base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-                evaluations["untrained"] = heldout_with_tools(
-                    base, tokenizer, heldout, tools, script_args, training_args
-                )
-                del base
-            model_path = warm_up_tools(script_args, training_args, model_path, tokenizer, dataset, tools)
-        if heldout:
-            start = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            evaluations["step_0"] = heldout_with_tools(start, tokenizer, heldout, tools, script_args, training_args)
-            del start
+
+    # Stage 2b: the tool warm-up and the held-out evaluation before training
+    heldout, evaluations, model_path = heldout_before(script_args, training_args, splits, tokenizer, tools, model_path)
+    decoding = f"sampled, {script_args.heldout_samples} per prompt" if tools else "greedy"
 
     # Stage 3: rollout side and trainer
     worker, transfer = build_rollout(script_args, training_args, model_path, dataset, reward_funcs, tokenizer, tools)
@@ -256,7 +291,7 @@ def main(
         reward_key="rewards/accuracy_reward",
         step_time_key="perf/step_s",
         series={"turns per episode": "rollout/turns_mean"} if tools else None,
-        heldout_note=f"sampled, {script_args.heldout_samples} per prompt, {len(heldout)} prompts" if heldout else "",
+        heldout_note=f"{decoding}, {len(heldout)} prompts" if heldout else "",
     )
     trainer = RLLossAsyncGRPOTrainer(
         model=model_path,
@@ -269,22 +304,10 @@ def main(
         weight_transfer=transfer,
     )
 
-    # Stage 4: train, save, summarize
+    # Stage 4: train, evaluate, save, summarize
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if heldout:  # the held-out accuracy before and after, per item in heldout.json
-        # the trained weights in a plain copy: the trainer's model runs its packed-attention implementation
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.load_state_dict(trainer.accelerator.unwrap_model(trainer.model).state_dict())
-        evaluations[f"step_{trainer.state.global_step}"] = heldout_with_tools(
-            model, tokenizer, heldout, tools, script_args, training_args
-        )
-        summary.heldout += [(int(k[5:]), v["accuracy"]) for k, v in evaluations.items() if k.startswith("step_")]
-        if "untrained" in evaluations:
-            untrained = evaluations["untrained"]["accuracy"]
-            summary.notes.append(f"held-out accuracy before the tool warm-up {untrained:.2f}")
-            summary.values["heldout_untrained"] = untrained
-        with open(os.path.join(training_args.output_dir, "heldout.json"), "w") as f:
-            json.dump(evaluations, f, indent=1)
+    if heldout:
+        heldout_after(trainer, model_path, tokenizer, heldout, evaluations, tools, script_args, summary)
     trainer.log_metrics("train", result.metrics)
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()

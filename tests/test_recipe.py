@@ -137,3 +137,31 @@ def test_bf16_falls_back_to_float32_only_on_a_cpu_without_fast_bf16(monkeypatch,
     if falls_back:
         assert training_args.mixed_precision == "no"
         assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+
+
+@pytest.mark.slow
+def test_async_demo_recipe_reports_greedy_heldout_accuracy_before_and_after(tmp_path):
+    """The asynchronous demo's recipe (no tools), shrunk to a tiny model: its run summary has the held-out accuracy at
+    step 0 and at the end, greedy as the synchronous recipe's, and `heldout.json` has every item's result."""
+    out = tmp_path / "out"
+    tiny = ["--model_name_or_path", "builtin:tiny-random", "--max_steps", "2", "--heldout_size", "4",
+            "--dataset_size", "32", "--per_device_train_batch_size", "4", "--num_generations", "2",
+            "--max_completion_length", "8", "--bf16", "false", "--queue_maxsize", "4"]  # fmt: skip
+    cmd = _launch.accelerate_launch(
+        ROOT / "accelerate_configs/single_process.yaml",
+        ROOT / "recipes/grpo_async.py",
+        *["--config", str(ROOT / "recipes/smollm2_135m/arithmetic/config_async.yaml"), "--output_dir", str(out)],
+        *tiny,
+    )
+    result = _launch.run(cmd, timeout=480, cwd=ROOT, env={"HF_RLLOSS_CACHE": str(tmp_path / "cache")}, stdout=True)
+    assert result.returncode == 0, result.stderr[-6000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("run summary:")]
+    assert re.search(r"held-out accuracy \(greedy, 4 prompts\) \d\.\d\d \(step 0\) -> \d\.\d\d \(step 2\)", line), line
+    record = json.loads((out / "run_summary.json").read_text())
+    assert [e[0] for e in record["heldout"]["evaluations"]] == [0, 2]
+    heldout = json.loads((out / "heldout.json").read_text())
+    assert sorted(heldout) == ["step_0", "step_2"]
+    for evaluation in heldout.values():
+        assert len(evaluation["items"]) == 4 and len(evaluation["greedy"]["correct"]) == 4
+        assert evaluation["accuracy"] == evaluation["greedy"]["accuracy"]
+        assert evaluation["greedy"]["turns_mean"] == 1 and evaluation["greedy"]["tool_calls_mean"] == 0

