@@ -1,5 +1,5 @@
 """Tool functions of the tool tests, in a module that imports nothing heavy: a tool runs in a process of its own
-(`async_/tool_calls.py`), which imports the tool's module."""
+(`rollout/tool_calling/runner.py`), which imports the tool's module."""
 
 from __future__ import annotations
 

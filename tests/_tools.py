@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.chat_template_utils import qwen3_template
 
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop
+from hf_rlloss.trainer.async_.rollout import HFGenerateLoop
 
 PAIRS = [(3, 4), (6, 7), (2, 9), (5, 8)]
 # Qwen's turn markers and tool blocks, without Qwen3's long tool-use system prompt

@@ -232,7 +232,7 @@ def test_cpu_worker_and_queue_transfer_train(policy, tok, tmp_path):
     worker (its later samples come from later versions)."""
     from _trainer_utils import make_dataset, reward_digit, reward_length
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(
         output_dir=str(tmp_path), max_steps=2, queue_maxsize=4, heartbeat_stale_after_s=120,
@@ -265,7 +265,7 @@ def _exits_at_once(worker):
 def test_dead_or_stalled_worker_is_reported(policy, tok, tmp_path):
     from _trainer_utils import make_dataset
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
@@ -287,7 +287,7 @@ def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
     """TRL's queue polls every 5 s and then asks the worker's health: the trainer raises instead of waiting."""
     from _trainer_utils import make_dataset
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), max_steps=1, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, make_dataset(), [], tok, args)
@@ -308,7 +308,7 @@ def test_trainer_ends_with_an_error_when_the_worker_dies(policy, tok, tmp_path):
     ],
 )
 def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option, value, match):
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, **{option: value})
     with pytest.raises(ValueError, match=match):
@@ -316,7 +316,7 @@ def test_vllm_only_option_on_cpu_worker_is_refused(policy, tok, tmp_path, option
 
 
 def test_a_worker_recording_no_logprobs_is_refused(policy, tok, tmp_path):
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), allow_uncorrected_staleness=True, **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, record_logprobs=False)
@@ -357,7 +357,7 @@ def test_cpu_worker_records_the_sampled_tokens_logprobs(policy, tok, tmp_path, s
     from _trainer_utils import make_dataset, reward_length
     from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), temperature=0.8, top_k=5, top_p=0.9,
                                  rollout_logprobs_support=support, **ASYNC_ARGS)  # fmt: skip
@@ -390,7 +390,7 @@ def test_weight_lag_applies_the_first_weights_at_once_then_k_versions_late(polic
     the trainer, which waits for samples), later ones when two newer versions have arrived."""
     import types
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args, weight_lag=2)
@@ -509,7 +509,7 @@ def _write_half_then_die(channel, payload_bytes: int) -> None:
     import pickle
     import signal
 
-    from hf_rlloss.trainer.async_.channel import _HEADER
+    from hf_rlloss.trainer.async_.rollout.channel import _HEADER
 
     payload = pickle.dumps(np.random.default_rng(0).bytes(payload_bytes))
     os.write(channel._writer.fileno(), _HEADER.pack(len(payload)) + payload[: len(payload) // 2])
@@ -522,7 +522,7 @@ def test_a_worker_killed_mid_write_is_named_within_seconds():
     import multiprocessing
     import threading
 
-    from hf_rlloss.trainer.async_.channel import SampleChannel
+    from hf_rlloss.trainer.async_.rollout.channel import SampleChannel
 
     ctx = multiprocessing.get_context("fork")  # the channel's mechanics; no need to import torch in the child
     channel = SampleChannel(ctx, maxsize=4)
@@ -559,7 +559,7 @@ def _trainer_with_a_worker(report) -> None:
     import multiprocessing
     import os
 
-    from hf_rlloss.trainer.async_.process import exit_with_parent
+    from hf_rlloss.trainer.async_.rollout.process import exit_with_parent
 
     worker = multiprocessing.get_context("fork").Process(target=exit_with_parent, args=(os.getpid(), 0.1))
     worker.start()
@@ -607,7 +607,7 @@ def test_latest_weights_keep_the_newest_version_and_no_descriptors_pile_up(polic
     import os
     import types
 
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker, QueueWeightTransfer
 
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS)
     worker = HFGenerateRolloutWorker(policy, prompts_dataset(), [], tok, args)

@@ -20,7 +20,7 @@ from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import TrainerCallback
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
+from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker
 from hf_rlloss.trainer.async_grpo_trainer import NoTrainableSamplesError, portable_async_trl
 
 torch.set_num_threads(1)

@@ -23,8 +23,9 @@ from _trainer_utils import make_dataset, reward_length, trainable_snapshot
 from transformers import AutoModelForCausalLM
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, version_for_batch
-from hf_rlloss.trainer.async_.worker_loop import worker_main
+from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+from hf_rlloss.trainer.async_.rollout.loop import worker_main
+from hf_rlloss.trainer.async_.staleness import version_for_batch
 
 torch.set_num_threads(1)
 

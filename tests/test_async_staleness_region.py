@@ -28,7 +28,7 @@ from _async import ASYNC_ARGS, NoWeightTransfer, fixed_samples, prompts_dataset
 from _trainer_utils import make_dataset, reward_length
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 from hf_rlloss.trainer.async_.staleness import check_weight_lag, least_trained_lag
 from hf_rlloss.trainer.async_grpo_trainer import NoTrainableSamplesError, portable_async_trl
 

@@ -1,6 +1,7 @@
-"""Tool calls in the asynchronous rollout worker (`async_/tool_calls.py`, `async_/multiturn.py`): hung tools leave
-nothing behind and do not read as a stalled worker, a turn cut by the budget in a tool call is its own kind, each turn
-asks for the budget that remains, and the recipe's YAML reaches every worker option.
+"""Tool calls in the asynchronous rollout worker (`rollout/tool_calling/runner.py`,
+`rollout/tool_calling/rollouts.py`): hung tools leave nothing behind and do not read as a stalled worker, a turn cut by
+the budget in a tool call is its own kind, each turn asks for the budget that remains, and the recipe's YAML reaches
+every worker option.
 
 Generation is scripted (`_tools.ScriptedToolRollout`); the worker's loop runs in this process, its policy loaded.
 """
@@ -23,8 +24,13 @@ from _tool_functions import hang, multiply
 from _tools import PAIRS, ScriptedToolRollout, product_rows, reward_correct
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker, NoRolloutSamplesError
-from hf_rlloss.trainer.async_.multiturn import BudgetCutError, HungToolCallsError
+from hf_rlloss.trainer.async_.rollout import (
+    BudgetCutError,
+    HFGenerateLoop,
+    HFGenerateRolloutWorker,
+    HungToolCallsError,
+    NoRolloutSamplesError,
+)
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]

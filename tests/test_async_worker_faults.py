@@ -18,7 +18,7 @@ import torch
 from _async import ASYNC_ARGS, die_holding_locks, prompts_dataset
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer, RolloutWorkerDiedError
+from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer, RolloutWorkerDiedError
 
 torch.set_num_threads(1)
 

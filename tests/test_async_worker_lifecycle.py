@@ -20,7 +20,7 @@ from _async import ASYNC_ARGS, NoWeightTransfer
 from _trainer_utils import make_dataset, reward_length
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 from hf_rlloss.trainer.common.advantages import group_advantages
 
 torch.set_num_threads(1)

@@ -85,10 +85,89 @@ def test_a_trainer_part_imports_no_trainer_and_no_other_part(part):
     """`common/` is what both trainers share, so it imports neither's parts; no part imports a trainer module."""
     entry_points = {f"hf_rlloss.trainer.{p.removesuffix('.py')}" for p in TRAINER_ENTRY_POINTS - {"__init__.py"}}
     others = {f"hf_rlloss.trainer.{p}" for p in set(TRAINER_PARTS) - TRAINER_PARTS[part] - {part}}
-    for path in sorted((PACKAGE / "trainer" / part).glob("*.py")):
+    for path in sorted((PACKAGE / "trainer" / part).rglob("*.py")):
         names = _imported_modules(path)
         wrong = {n for n in names if _within(n, others | entry_points) or n in ("hf_rlloss.trainer", "hf_rlloss")}
-        assert not wrong, f"trainer/{part}/{path.name} imports {sorted(wrong)}"
+        assert not wrong, f"trainer/{part}/{path.relative_to(PACKAGE / 'trainer' / part)} imports {sorted(wrong)}"
+
+
+ROLLOUT = PACKAGE / "trainer" / "async_" / "rollout"
+
+
+def test_the_trainer_side_of_async_imports_nothing_of_the_rollout_process():
+    """`async_/`'s own modules are the trainer's process (its mixins and what they read); `async_/rollout/` is what
+    runs in the rollout process and imports the lag rules from `async_/staleness.py`, never the other way."""
+    assert (ROLLOUT / "__init__.py").is_file() and (ROLLOUT / "tool_calling" / "__init__.py").is_file()
+    rollout = {"hf_rlloss.trainer.async_.rollout"}
+    for path in sorted((PACKAGE / "trainer" / "async_").glob("*.py")):
+        wrong = {n for n in _imported_modules(path) if _within(n, rollout)}
+        assert not wrong, f"trainer/async_/{path.name} imports {sorted(wrong)} from the rollout process"
+    for path in (PACKAGE / "trainer" / "async_grpo_trainer.py", PACKAGE / "trainer" / "async_grpo_config.py"):
+        assert not {n for n in _imported_modules(path) if _within(n, rollout)}, path.name
+
+
+def test_the_rollout_modules_old_paths_warn_once_and_give_the_same_objects():
+    """Each path of the previous release imports with one `DeprecationWarning` naming the new path, once per
+    process, and each of its names is the object at its new path."""
+    import importlib
+    import sys
+    import warnings
+
+    from hf_rlloss.trainer.async_.deprecated_paths import MOVED
+
+    assert len(MOVED) == 12
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            __import__(old)  # as an `import` statement does
+            module = importlib.import_module(old)  # imported already: no second warning
+        deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert len(deprecations) == 1, (old, [str(w.message) for w in caught])
+        assert old in str(deprecations[0].message) and f"`{new[0]}`" in str(deprecations[0].message)
+        assert deprecations[0].filename == __file__  # the warning points at the importing line
+        first = importlib.import_module(new[0])
+        for name in getattr(first, "__all__", ()):
+            assert getattr(module, name) is getattr(first, name), (old, name)
+        with pytest.raises(AttributeError, match=old):
+            module.no_such_name  # noqa: B018
+    from hf_rlloss.trainer.async_ import rollout, staleness
+    from hf_rlloss.trainer.common import advantages
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from hf_rlloss.trainer.async_.cpu_rollout import (  # the facade's 11 names
+            VLLM_ONLY_OPTIONS,
+            HFGenerateLoop,
+            HFGenerateRolloutWorker,
+            NoRolloutSamplesError,
+            QueueWeightTransfer,
+            RolloutWorkerDiedError,
+            batch_seed,
+            check_weight_lag,
+            group_advantages,
+            least_trained_lag,
+            version_for_batch,
+        )
+        from hf_rlloss.trainer.async_.scoring import RolloutErrorPolicy
+
+    assert (HFGenerateLoop, HFGenerateRolloutWorker, QueueWeightTransfer) == (
+        rollout.HFGenerateLoop,
+        rollout.HFGenerateRolloutWorker,
+        rollout.QueueWeightTransfer,
+    )
+    assert (NoRolloutSamplesError, RolloutWorkerDiedError, VLLM_ONLY_OPTIONS, batch_seed) == (
+        rollout.NoRolloutSamplesError,
+        rollout.RolloutWorkerDiedError,
+        rollout.VLLM_ONLY_OPTIONS,
+        rollout.batch_seed,
+    )
+    assert (check_weight_lag, least_trained_lag, version_for_batch) == (
+        staleness.check_weight_lag,
+        staleness.least_trained_lag,
+        staleness.version_for_batch,
+    )
+    assert group_advantages is advantages.group_advantages and RolloutErrorPolicy is rollout.RolloutErrorPolicy
 
 
 def _import_graph() -> dict[str, set[str]]:

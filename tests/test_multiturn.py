@@ -1,4 +1,5 @@
-"""Multi-turn rollouts (tools, environments) in the asynchronous trainer's CPU rollout worker (`async_/multiturn.py`).
+"""Multi-turn rollouts (tools, environments) in the asynchronous trainer's CPU rollout worker
+(`rollout/tool_calling/rollouts.py`).
 
 Generation is scripted (`_tools.ScriptedToolRollout`, with sampler log-probs): half of each group calls `multiply`,
 then answers with its result; the other half answers at once. The same script drives `RLLossGRPOTrainer` (TRL's
@@ -38,16 +39,14 @@ from datasets import Dataset
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer, RLLossGRPOConfig, RLLossGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import (
+from hf_rlloss.trainer.async_.rollout import (
+    ContextOverflowError,
     HFGenerateLoop,
     HFGenerateRolloutWorker,
-    QueueWeightTransfer,
-    RolloutWorkerDiedError,
-)
-from hf_rlloss.trainer.async_.multiturn import (
-    ContextOverflowError,
     MalformedToolCallError,
     NonFiniteRewardError,
+    QueueWeightTransfer,
+    RolloutWorkerDiedError,
     ToolRaisedError,
     ToolTimeoutError,
 )

@@ -25,7 +25,7 @@ from hf_rlloss.recipe_support.tools import (
     with_tool_template,
     worked_conversation,
 )
-from hf_rlloss.trainer.async_.multiturn import AgentSpec
+from hf_rlloss.trainer.async_.rollout import AgentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""MoE routing replay in `RLLossAsyncGRPOTrainer` (`async_/routing.py`, `RLLossAsyncGRPOConfig.routing_replay`).
+"""MoE routing replay in `RLLossAsyncGRPOTrainer` (`async_/routing_replay.py`, `RLLossAsyncGRPOConfig.routing_replay`).
 
 A tiny Qwen3-MoE with near-tied routers (`_models.tiny_moe`: every expert's router row one shared row plus a 1e-3
 perturbation, experts' outputs × 10), saved to disk (the async trainer loads its policy from a path).
@@ -16,8 +16,8 @@ from _trainer_utils import make_dataset, make_tokenizer, reward_length
 from trl.experimental.async_grpo.packing import TreeRow
 
 from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
-from hf_rlloss.trainer.async_.routing import tree_routes
+from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker
+from hf_rlloss.trainer.async_.routing_replay import tree_routes
 from hf_rlloss.trainer.async_grpo_trainer import portable_async_trl
 from hf_rlloss.trainer.common.packing import tree_positions
 from hf_rlloss.trainer.common.routing_replay import find_routers
@@ -182,7 +182,7 @@ def test_async_refusals(moe_path, tok, tmp_path):
     with pytest.raises(ValueError, match=r"routing_replay='rollout' .* FixedRolloutWorker does not record them"):
         RLLossAsyncGRPOTrainer(moe_path, [], args, prompts_dataset(), tok, rollout_worker=FixedRolloutWorker([]),
                                weight_transfer=NoWeightTransfer())  # fmt: skip
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import VLLMRolloutWorker
 
     with pytest.raises(ValueError, match=r"routing_replay='rollout' with VLLMRolloutWorker: .* enable_return_routed"):
         VLLMRolloutWorker(moe_path, make_dataset(), [reward_length], tok, args)

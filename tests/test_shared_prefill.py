@@ -201,13 +201,13 @@ def test_cpu_rollout_worker_sets_sharing_aside_under_rollout_routing_replay_and_
     from _trainer_utils import make_dataset, make_tokenizer, reward_length
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker
 
     tok = make_tokenizer()
     for mode in ("rollout", "old_policy"):
         args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), routing_replay=mode, **ASYNC_ARGS)
         caplog.clear()
-        with _said(caplog, "trainer.async_.cpu_rollout"):
+        with _said(caplog, "trainer.async_.rollout.hf_generate"):
             HFGenerateRolloutWorker(str(tmp_path / "policy"), make_dataset(4), [reward_length], tok, args)
         said = "shared_prompt_generation is set aside: routing_replay='rollout'" in caplog.text
         assert said == (mode == "rollout"), mode
@@ -275,7 +275,7 @@ def test_cpu_rollout_worker_shares_prompts(tmp_path):
     from _trainer_utils import make_dataset, make_tokenizer, reward_length
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateLoop, HFGenerateRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import HFGenerateLoop, HFGenerateRolloutWorker
 
     policy, tok = save_tiny_policy(tmp_path / "policy"), make_tokenizer()
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), **ASYNC_ARGS, top_k=20)

@@ -1,4 +1,4 @@
-"""The host TRL's tool-calling loop runs on in the rollout workers (`async_/trl_tool_loop.py`).
+"""The host TRL's tool-calling loop runs on in the rollout workers (`rollout/tool_calling/trl_loop.py`).
 
 The workers run TRL's private `GRPOTrainer._tool_call_loop` and `_get_tool_suffix_ids` on a `ToolLoopHost`. What they
 read from `self` is read here from TRL's own source: every `self.<name>` must be an attribute of the host, so that a
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from trl import GRPOTrainer
 
-from hf_rlloss.trainer.async_.trl_tool_loop import ModelContext, ToolLoopHost, ToolLoopResult
+from hf_rlloss.trainer.async_.rollout.tool_calling import ModelContext, ToolLoopHost, ToolLoopResult
 
 TRL_METHODS = ("_tool_call_loop", "_get_tool_suffix_ids")
 

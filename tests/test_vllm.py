@@ -289,7 +289,7 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
     from _trainer_utils import make_dataset
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import VLLMRolloutWorker
 
     tok = make_tokenizer()
     args = RLLossAsyncGRPOConfig(output_dir=str(tmp_path), top_k=5, **ASYNC_ARGS)

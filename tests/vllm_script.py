@@ -162,8 +162,7 @@ def run_async(model_dir: str, out_dir: str) -> dict:
     from transformers import AutoTokenizer
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    from hf_rlloss.trainer.async_.cpu_rollout import QueueWeightTransfer
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
+    from hf_rlloss.trainer.async_.rollout import QueueWeightTransfer, VLLMRolloutWorker
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rewards = [reward_length, reward_digit]
@@ -189,8 +188,8 @@ def worker_reload_check(worker, model_dir: str, state: dict) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_rlloss.trainer.async_.channel import LatestWeights
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMWorkerLoop
+    from hf_rlloss.trainer.async_.rollout.channel import LatestWeights
+    from hf_rlloss.trainer.async_.rollout.vllm import VLLMWorkerLoop
 
     weights = LatestWeights(multiprocessing.get_context("spawn"))
     loop = VLLMWorkerLoop(worker._settings, None, None, weights, None, SimpleNamespace(value=0.0))
@@ -222,7 +221,7 @@ def run_multiturn(model_dir: str, out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from hf_rlloss.trainer import RLLossAsyncGRPOConfig
-    from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker, VLLMWorkerLoop
+    from hf_rlloss.trainer.async_.rollout.vllm import VLLMRolloutWorker, VLLMWorkerLoop
 
     tok = tool_tokenizer()
     path = os.path.join(out_dir, "tool-policy")

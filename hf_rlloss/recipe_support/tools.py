@@ -23,7 +23,7 @@ import torch
 from trl.chat_template_utils import qwen3_template, supports_tool_calling
 
 from hf_rlloss.recipe_support.rewards import accuracy_reward
-from hf_rlloss.trainer.async_.multiturn import AgentSpec, MultiTurnRollouts, prepare_tokenizer
+from hf_rlloss.trainer.async_.rollout.tool_calling import AgentSpec, MultiTurnRollouts, prepare_tokenizer
 from hf_rlloss.trainer.common.sampling import generate_and_cut
 
 __all__ = [

@@ -108,7 +108,7 @@ class RLLossAsyncGRPOConfig(AsyncGRPOConfig):
         cast_lm_head_to_fp32 (`bool`, *optional*, defaults to `False`):
             Run the chunked LM head in float32 (as `GRPOConfig.cast_lm_head_to_fp32`).
         routing_replay (`str`, *optional*, defaults to `"off"`):
-            MoE routing replay (`RLLossGRPOConfig.routing_replay`, `async_/routing.py`): `"rollout"` replays in
+            MoE routing replay (`RLLossGRPOConfig.routing_replay`, `async_/routing_replay.py`): `"rollout"` replays in
             every forward of a packed row (π_old, the reference, the loss) the experts `HFGenerateRolloutWorker`
             recorded during its HF `generate`, shipped with each sample (a token shared by several samples of a
             row replays the first one's); `"old_policy"` replays in the loss forward the experts of the row's π_old

@@ -51,7 +51,7 @@ from ..loss.metrics import accumulate_metrics, finalize_train_policy_metrics
 from .async_ import resume as rollout_resume
 from .async_.attention import portable_async_trl, tree_attention_name, use_tree_attention
 from .async_.packed_rows import PackedRow, VersionedCollator, packed_row
-from .async_.routing import AsyncRoutingReplay
+from .async_.routing_replay import AsyncRoutingReplay
 from .async_.staleness import AsyncStaleness, NoTrainableSamplesError, check_fixed_lag_setup
 from .async_grpo_config import RLLossAsyncGRPOConfig
 from .common.engines import activation_checkpointing_disabled, load_reference, prepare_reference, reference_source
@@ -88,7 +88,7 @@ class RLLossAsyncGRPOTrainer(AsyncStaleness, AsyncRoutingReplay, LossLayerForwar
 
     ```python
     >>> from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    >>> from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    >>> from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     >>> args = RLLossAsyncGRPOConfig("out", use_cpu=True, bf16=False, max_staleness=2, token_budget=512,
     ...                              rl_loss={"rollout_is": {"level": "token", "upper": 2.0}})

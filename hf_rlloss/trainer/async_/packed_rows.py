@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
 
-from .routing import collate_routes
+from .routing_replay import collate_routes
 
 __all__ = ["PackedRow", "VersionedCollator", "keep_samples", "packed_row"]
 

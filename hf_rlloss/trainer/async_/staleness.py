@@ -219,7 +219,7 @@ class _VersionedDataset(RolloutQueueDataset):
             taken = counting.kept = counting.taken
             self.metrics["async/dropped_stale_frac"].append((float(dropped), float(dropped + 1)))
             item["model_version"] = counting.last.model_version
-            routes = getattr(counting.last, "routed_experts", None)  # MoE routing replay (async_/routing.py)
+            routes = getattr(counting.last, "routed_experts", None)  # MoE routing replay (async_/routing_replay.py)
             if routes is not None:
                 item["routed_experts"] = routes
             yield item

@@ -6,7 +6,7 @@ vLLM's CPU backend prepares every linear layer for inference when the model is l
 (`layer.cpu_linear`) and, for the linear layers, replaces `layer.weight` by an empty parameter without the
 `weight_loader` that `model.load_weights` writes through. A trainer that pushes its weights into the engine after
 each optimizer step (TRL's colocate mode, `VLLMGeneration.sync_weights`; the asynchronous trainer's
-`async_.vllm_rollout.VLLMRolloutWorker`) then fails at the first sync with ``'Parameter' object has no attribute
+`async_.rollout.vllm.VLLMRolloutWorker`) then fails at the first sync with ``'Parameter' object has no attribute
 'weight_loader'``, and the LM head, whose weight is kept, would still compute with the packed copy of the initial
 weights.
 

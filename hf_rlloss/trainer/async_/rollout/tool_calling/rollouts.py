@@ -1,7 +1,7 @@
 """Multi-turn rollouts in the asynchronous trainer's rollout workers: TRL's `tools` and `environment_factory`.
 
-The conversation loop is TRL's own: the workers run `GRPOTrainer._tool_call_loop` (the synchronous trainer's loop,
-TRL 1.16) on a `ToolLoopHost` (`async_/trl_tool_loop.py`) whose `_generate_single_turn` is the worker's sampler. A
+The conversation loop is TRL's own: the workers run `GRPOTrainer._tool_call_loop` (the synchronous trainer's loop, TRL
+1.16) on a `ToolLoopHost` (`rollout/tool_calling/trl_loop.py`) whose `_generate_single_turn` is the worker's sampler. A
 multi-turn sample is therefore built exactly as `GRPOTrainer`, and so `RLLossGRPOTrainer`, builds it:
 
 * the prompt is rendered with the tools' schemas (an environment's public methods are its tools) by the chat template,
@@ -17,7 +17,7 @@ What the workers add to TRL's loop:
 * **One policy version per sample.** Every turn of a batch is sampled before the worker loads new weights (weights
   are loaded between batches only), so a sample's tokens all come from the version it is tagged with, and the rollout
   IS weight of each model token is taken against that policy.
-* **Named rollout errors** (`RolloutError`, `async_/episodes.py`): a tool that raises (`ToolRaisedError`), a tool
+* **Named rollout errors** (`RolloutError`, `rollout/episodes.py`): a tool that raises (`ToolRaisedError`), a tool
   that does not return within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context
   (`ContextOverflowError`), a tool call that does not parse or names no tool (`MalformedToolCallError`), and a turn
   cut by the completion budget in the middle of a tool call (`BudgetCutError`; a rollout error only under
@@ -26,11 +26,11 @@ What the workers add to TRL's loop:
   the tool's reply, the conversation goes on), `"drop"` (its whole group is dropped: a group's advantages are
   normalized together), or `"raise"` (the worker stops with the error, which the trainer raises). Every error and
   every dropped group is counted in a metric (`rollout/errors/<kind>_total`, `rollout/dropped_groups/<kind>_total`);
-  nothing is dropped silently. The policy is `scoring.RolloutErrorPolicy`, applied by the workers' group scoring
-  (`async_/scoring.py`).
-* **Tool calls side by side, each stoppable** (`async_/tool_calls.py`): a turn's tool calls run concurrently, a tool
-  in a small process of its own that is killed when it does not return in time, an environment's method in a thread
-  (with a bound on threads left hanging); every call that ends ticks the worker's heartbeat.
+  nothing is dropped silently. The policy is `episodes.RolloutErrorPolicy`, applied by the workers' group scoring
+  (`rollout/scoring.py`).
+* **Tool calls side by side, each stoppable** (`rollout/tool_calling/runner.py`): a turn's tool calls run concurrently,
+  a tool in a small process of its own that is killed when it does not return in time, an environment's method in a
+  thread (with a bound on threads left hanging); every call that ends ticks the worker's heartbeat.
 * **Each turn asks for the budget that remains**: the sampler is given, per conversation, `max_completion_length`
   minus the completion's tokens so far (the replies included).
 """
@@ -53,35 +53,20 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
-from .episodes import (
+from ..episodes import (
     BudgetCutError,
     ContextOverflowError,
     Episode,
     MalformedToolCallError,
-    NonFiniteRewardError,
     RolloutError,
+    RolloutErrorPolicy,
     ToolRaisedError,
     ToolTimeoutError,
 )
-from .scoring import ON_BUDGET_CUT, ON_ROLLOUT_ERROR, RolloutErrorPolicy
-from .tool_calls import HungToolCallsError, ToolRunner, in_main_module
-from .trl_tool_loop import ModelContext, ToolLoopHost
+from .runner import HungToolCallsError, ToolRunner, in_main_module
+from .trl_loop import ModelContext, ToolLoopHost
 
-__all__ = [
-    "ON_ROLLOUT_ERROR",
-    "ON_BUDGET_CUT",
-    "AgentSpec",
-    "BudgetCutError",
-    "ContextOverflowError",
-    "HungToolCallsError",
-    "Episode",
-    "MalformedToolCallError",
-    "MultiTurnRollouts",
-    "NonFiniteRewardError",
-    "RolloutError",
-    "ToolRaisedError",
-    "ToolTimeoutError",
-]
+__all__ = ["AgentSpec", "MultiTurnRollouts", "prepare_tokenizer"]
 
 # a worker's sampler: one completion per prompt (ids up to and including the EOS) and its log-probs; the int counts the
 # calls of a batch, the list is each prompt's completion budget (the tokens it may still sample)
@@ -113,7 +98,7 @@ class AgentSpec:
     Example:
 
     ```python
-    >>> from hf_rlloss.trainer.async_.multiturn import AgentSpec
+    >>> from hf_rlloss.trainer.async_.rollout.tool_calling import AgentSpec
     >>> from hf_rlloss.recipe_support.tools import TOOLS
     >>> AgentSpec(tools=list(TOOLS.values()), tool_timeout_s=10, on_rollout_error="drop").tool_processes
     4

@@ -1,22 +1,26 @@
-"""One sampled conversation (`Episode`) and the named rollout errors it can meet (`RolloutError` and its kinds):
-what the multi-turn loop (`async_/multiturn.py`) produces and the group scoring (`async_/scoring.py`) reads.
-
-`on_rollout_error`, the policy that says what becomes of a sample that met one, is `scoring.RolloutErrorPolicy`.
+"""One sampled conversation (`Episode`), the named rollout errors it can meet (`RolloutError` and its kinds), and
+the policy that says what becomes of a group whose episodes met one (`RolloutErrorPolicy`: `on_rollout_error`,
+`on_budget_cut`): what the tool-calling loop (`rollout/tool_calling/`) produces and the group scoring
+(`rollout/scoring.py`) reads and applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "ERROR_KINDS",
+    "ON_BUDGET_CUT",
+    "ON_ROLLOUT_ERROR",
     "BudgetCutError",
     "ContextOverflowError",
     "Episode",
     "MalformedToolCallError",
     "NonFiniteRewardError",
     "RolloutError",
+    "RolloutErrorPolicy",
     "ToolRaisedError",
     "ToolTimeoutError",
 ]
@@ -71,6 +75,55 @@ class NonFiniteRewardError(RolloutError):
 
 ERROR_KINDS = tuple(cls.kind for cls in (ToolRaisedError, ToolTimeoutError, ContextOverflowError,
                                          MalformedToolCallError, BudgetCutError, NonFiniteRewardError))  # fmt: skip
+
+
+ON_ROLLOUT_ERROR = ("feed_back", "drop", "raise")
+ON_BUDGET_CUT = ("keep", "rollout_error")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutErrorPolicy:
+    """What becomes of a group whose episodes met a `RolloutError`, validated at construction.
+
+    Args:
+        on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): one of `ON_ROLLOUT_ERROR`: `"feed_back"`
+            (TRL's behaviour: the group is trained), `"drop"` (the group is dropped) or `"raise"` (the worker stops
+            with the error).
+        on_budget_cut (`str`, *optional*, defaults to `"keep"`): one of `ON_BUDGET_CUT`: whether a turn cut by the
+            completion budget in the middle of a tool call (`BudgetCutError`) is trained as a truncated completion
+            (`"keep"`) or follows `on_rollout_error` (`"rollout_error"`).
+
+    Example:
+
+    ```python
+    >>> from hf_rlloss.trainer.async_.rollout.episodes import BudgetCutError, ToolRaisedError
+    >>> policy = RolloutErrorPolicy("drop")
+    >>> policy.dropped_kinds([BudgetCutError("cut"), ToolRaisedError("raised")])
+    ['tool_raised']
+    ```
+    """
+
+    on_rollout_error: str = "feed_back"
+    on_budget_cut: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.on_rollout_error not in ON_ROLLOUT_ERROR:
+            raise ValueError(f"on_rollout_error={self.on_rollout_error!r}: allowed values are {ON_ROLLOUT_ERROR}")
+        if self.on_budget_cut not in ON_BUDGET_CUT:
+            raise ValueError(f"on_budget_cut={self.on_budget_cut!r}: allowed values are {ON_BUDGET_CUT}")
+
+    def follows(self, error: RolloutError) -> bool:
+        """Whether a counted rollout error follows `on_rollout_error`: all but a budget cut under
+        `on_budget_cut="keep"`."""
+        return not (isinstance(error, BudgetCutError) and self.on_budget_cut == "keep")
+
+    def dropped_kinds(self, errors: Sequence[RolloutError]) -> list[str]:
+        """The kinds of `errors` (one group's) that drop the group, sorted; empty when it is trained. Under
+        `"raise"` the first error that follows the policy is raised."""
+        followed = [e for e in errors if self.follows(e)]
+        if followed and self.on_rollout_error == "raise":
+            raise followed[0]
+        return sorted({e.kind for e in followed}) if self.on_rollout_error == "drop" else []
 
 
 @dataclasses.dataclass

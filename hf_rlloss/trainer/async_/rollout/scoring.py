@@ -1,96 +1,39 @@
 """Group scoring in the rollout workers: each prompt's `num_generations` episodes scored as one group, their advantage
-computed as TRL's `GRPOTrainer` computes it, and turned into TRL `RolloutSample`s; and the rollout-error policy
-(`on_rollout_error`, `on_budget_cut`): what it allows, and what becomes of a group whose episodes met a rollout error.
+computed as TRL's `GRPOTrainer` computes it, and turned into TRL `RolloutSample`s; the rollout-error policy
+(`episodes.RolloutErrorPolicy`) applied to each group.
 
 * **Rewards.** The reward functions, summed (a completion every function skipped is unscored: advantage 0, TRL's
   rule), then an environment's `get_reward` as a column of its own per environment class. A non-finite reward is a
   `NonFiniteRewardError` of its episode.
 * **Advantages** (`common.advantages.group_advantages`): `r − mean` over the group, divided by TRL's unbiased
   std + 1e-4 under `scale_rewards="group"`, the batch's under `"batch"`, not divided under `"none"`.
-* **The rollout-error policy** (`RolloutErrorPolicy`): every error is counted (`rollout/errors/<kind>_total`); under
-  `"raise"` the worker stops with the first, under `"drop"` the group is dropped and counted
+* **The rollout-error policy** (`episodes.RolloutErrorPolicy`): every error is counted (`rollout/errors/<kind>_total`);
+  under `"raise"` the worker stops with the first, under `"drop"` the group is dropped and counted
   (`rollout/dropped_groups/<kind>_total`), under `"feed_back"` (TRL's behaviour) it is trained. A budget cut follows
   the policy only under `on_budget_cut="rollout_error"`. `max_dropped_groups` groups dropped in a row stop the worker
   (`NoRolloutSamplesError`).
 
-`GroupScoring` is mixed into the workers' loop (`async_/worker_loop.py`).
+`GroupScoring` is mixed into the workers' loop (`rollout/loop.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import queue
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..common.advantages import group_advantages, nanstd
-from .episodes import BudgetCutError, Episode, NonFiniteRewardError, RolloutError
+from ...common.advantages import group_advantages, nanstd
+from .episodes import Episode, NonFiniteRewardError, RolloutErrorPolicy
 
-__all__ = [
-    "ON_BUDGET_CUT",
-    "ON_ROLLOUT_ERROR",
-    "GroupScoring",
-    "NoRolloutSamplesError",
-    "RolloutErrorPolicy",
-    "summed_rewards",
-]
-
-ON_ROLLOUT_ERROR = ("feed_back", "drop", "raise")
-ON_BUDGET_CUT = ("keep", "rollout_error")
+__all__ = ["GroupScoring", "NoRolloutSamplesError", "summed_rewards"]
 
 
 class NoRolloutSamplesError(RuntimeError):
     """The rollout worker makes no trainable sample: every prompt group of `max_dropped_groups` in a row was dropped
     by `on_rollout_error="drop"` (the message counts them by kind)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutErrorPolicy:
-    """What becomes of a group whose episodes met a `RolloutError`, validated at construction.
-
-    Args:
-        on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): one of `ON_ROLLOUT_ERROR`: `"feed_back"`
-            (TRL's behaviour: the group is trained), `"drop"` (the group is dropped) or `"raise"` (the worker stops
-            with the error).
-        on_budget_cut (`str`, *optional*, defaults to `"keep"`): one of `ON_BUDGET_CUT`: whether a turn cut by the
-            completion budget in the middle of a tool call (`BudgetCutError`) is trained as a truncated completion
-            (`"keep"`) or follows `on_rollout_error` (`"rollout_error"`).
-
-    Example:
-
-    ```python
-    >>> from hf_rlloss.trainer.async_.episodes import BudgetCutError, ToolRaisedError
-    >>> policy = RolloutErrorPolicy("drop")
-    >>> policy.dropped_kinds([BudgetCutError("cut"), ToolRaisedError("raised")])
-    ['tool_raised']
-    ```
-    """
-
-    on_rollout_error: str = "feed_back"
-    on_budget_cut: str = "keep"
-
-    def __post_init__(self) -> None:
-        if self.on_rollout_error not in ON_ROLLOUT_ERROR:
-            raise ValueError(f"on_rollout_error={self.on_rollout_error!r}: allowed values are {ON_ROLLOUT_ERROR}")
-        if self.on_budget_cut not in ON_BUDGET_CUT:
-            raise ValueError(f"on_budget_cut={self.on_budget_cut!r}: allowed values are {ON_BUDGET_CUT}")
-
-    def follows(self, error: RolloutError) -> bool:
-        """Whether a counted rollout error follows `on_rollout_error`: all but a budget cut under
-        `on_budget_cut="keep"`."""
-        return not (isinstance(error, BudgetCutError) and self.on_budget_cut == "keep")
-
-    def dropped_kinds(self, errors: Sequence[RolloutError]) -> list[str]:
-        """The kinds of `errors` (one group's) that drop the group, sorted; empty when it is trained. Under
-        `"raise"` the first error that follows the policy is raised."""
-        followed = [e for e in errors if self.follows(e)]
-        if followed and self.on_rollout_error == "raise":
-            raise followed[0]
-        return sorted({e.kind for e in followed}) if self.on_rollout_error == "drop" else []
 
 
 def summed_rewards(per_func: np.ndarray) -> np.ndarray:
@@ -101,7 +44,7 @@ def summed_rewards(per_func: np.ndarray) -> np.ndarray:
 
 
 class GroupScoring:
-    """The scoring half of a rollout worker's loop (mixed into `worker_loop.WorkerLoop`).
+    """The scoring half of a rollout worker's loop (mixed into `loop.WorkerLoop`).
 
     Reads from the loop: `s` (the `WorkerSettings`: `num_generations`, `reward_funcs`, `reward_names`,
     `scale_rewards`, `agent`, `max_dropped_groups`, `tokenizer`), `multiturn` (the `MultiTurnRollouts`, or `None`) and

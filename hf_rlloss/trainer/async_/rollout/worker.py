@@ -1,19 +1,19 @@
 """The asynchronous trainer's rollout worker, whatever samples in it: the process, its health, the weights it receives
-and which policy version samples which batch. The backends (`cpu_rollout.HFGenerateRolloutWorker`,
-`vllm_rollout.VLLMRolloutWorker`) add only how a batch is sampled (`worker_loop.WorkerLoop`'s `load`,
-`_generate_single_turn_batch` and `_generate_ids`); the process' loop is `async_/worker_loop.py`'s, the group scoring
-`async_/scoring.py`'s, the conversations with tools `async_/multiturn.py`'s.
+and which policy version samples which batch. The backends (`hf_generate.HFGenerateRolloutWorker`,
+`vllm.VLLMRolloutWorker`) add only how a batch is sampled (`loop.WorkerLoop`'s `load`,
+`_generate_single_turn_batch` and `_generate_ids`); the process' loop is `rollout/loop.py`'s, the group scoring
+`rollout/scoring.py`'s, the conversations with tools `rollout/tool_calling/rollouts.py`'s.
 
-`RolloutWorker` implements TRL's `RolloutWorkerProtocol`: a spawned process (`async_/process.py`) holds its own copy of
-the policy, cycles over the prompts, samples `num_generations` completions per prompt, scores them, and puts TRL
+`RolloutWorker` implements TRL's `RolloutWorkerProtocol`: a spawned process (`rollout/process.py`) holds its own copy
+of the policy, cycles over the prompts, samples `num_generations` completions per prompt, scores them, and puts TRL
 `RolloutSample`s tagged with the policy version they were sampled from on its queue. `QueueWeightTransfer` implements
-`WeightTransferProtocol`: `send_weights` puts the trainer's parameters on a queue the worker drains between two
-batches (it loads them then, so a batch is never sampled from two policies).
+`WeightTransferProtocol`: `send_weights` puts the trainer's parameters on a queue the worker drains between two batches
+(it loads them then, so a batch is never sampled from two policies).
 
 Health: the worker ticks a heartbeat after every batch (and while it waits on a full queue); `check_health` raises,
 naming the cause, when the process died, raised (its traceback is chained), or has not ticked for `stale_after_s`
 seconds; TRL's trainer calls it whenever its queue stays empty for 5 s. Samples come through a `SampleChannel`
-(`async_/channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
+(`rollout/channel.py`), whose reads time out and see the worker's death even in the middle of a message, and the
 weights through `LatestWeights` (only the newest kept). The worker exits within a second when the trainer's process
 dies (it polls its parent's PID), so neither side can hang on, or outlive, the other.
 
@@ -37,11 +37,11 @@ import torch
 import torch.multiprocessing as mp
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from ..staleness import check_fixed_lag, check_weight_lag, version_for_batch
 from .channel import LatestWeights, SampleChannel, SharedFlag
-from .multiturn import AgentSpec, MultiTurnRollouts, prepare_tokenizer
+from .loop import WorkerLoop, WorkerSettings, worker_main
 from .process import ProcessDyingWithParent
-from .staleness import check_fixed_lag, check_weight_lag, version_for_batch
-from .worker_loop import WorkerLoop, WorkerSettings, worker_main
+from .tool_calling import AgentSpec, MultiTurnRollouts, prepare_tokenizer
 
 __all__ = ["VLLM_ONLY_OPTIONS", "QueueWeightTransfer", "RolloutWorker", "RolloutWorkerDiedError"]
 
@@ -154,7 +154,7 @@ class RolloutWorker:
         shared_prompt_generation (`bool`, *optional*, defaults to `True`): prefill each prompt once for its
             `num_generations` rows (`shared_prefill.sharing_prompts`); `False` prefills every row. Under
             `args.routing_replay="rollout"` every row is prefilled (the routes are recorded row by row), and each
-            sample carries its tokens' MoE routes (`routed_experts`, `async_/routing.py`).
+            sample carries its tokens' MoE routes (`routed_experts`, `async_/routing_replay.py`).
         groups_per_batch (`int`, *optional*): prompts per batch; defaults to one optimizer step's worth.
         weight_lag (`int`, *optional*, defaults to `0`): apply the trainer's weights this many versions late (an
             experiment's knob: samples then lag the trainer by at least `weight_lag` versions). A value under which
@@ -171,7 +171,7 @@ class RolloutWorker:
         ready_timeout (`float`, *optional*, defaults to `600`): seconds `start` waits for the process to load.
         tools (`list[Callable]`, *optional*): TRL tools; the worker runs TRL's tool-calling loop
             (`args.max_tool_calling_iterations` turns at most), multi-turn samples with the replies masked
-            (`async_/multiturn.py`). Module-level functions (they are pickled to the process).
+            (`rollout/tool_calling/rollouts.py`). Module-level functions (they are pickled to the process).
         environment_factory (`Callable` or `dict[str, Callable]`, *optional*): TRL's environments (`reset`, public
             methods as tools, optional `get_reward`); the reward functions also receive `environments=`.
         tool_timeout_s (`float`, *optional*, defaults to `60`): how long one tool call may run
@@ -179,13 +179,13 @@ class RolloutWorker:
         on_rollout_error (`str`, *optional*, defaults to `"feed_back"`): what a multi-turn sample that met a
             `episodes.RolloutError` becomes: `"feed_back"` (TRL's behaviour: the error is the tool's reply),
             `"drop"` (its group is dropped) or `"raise"`; every case is counted in `rollout/errors/*` metrics
-            (`scoring.RolloutErrorPolicy`).
+            (`episodes.RolloutErrorPolicy`).
         on_budget_cut (`str`, *optional*, defaults to `"keep"`): a turn cut by the completion budget in the middle of
             a tool call (`episodes.BudgetCutError`, counted): `"keep"` (trained as a truncated completion) or
             `"rollout_error"` (follows `on_rollout_error`).
         tool_processes (`int`, *optional*, defaults to `4`): processes the tools run in, side by side; a call that
-            does not return within `tool_timeout_s` is stopped with its process (`async_/tool_calls.py`). `0`: the
-            tools run in threads of the rollout process.
+            does not return within `tool_timeout_s` is stopped with its process (`rollout/tool_calling/runner.py`).
+            `0`: the tools run in threads of the rollout process.
         max_hung_tool_threads (`int`, *optional*, defaults to `16`): tool calls run in threads (an environment's
             methods, tools under `tool_processes=0` or defined in the main script) that timed out and still run,
             beyond which the worker stops with `HungToolCallsError`.
@@ -193,7 +193,7 @@ class RolloutWorker:
     Example:
 
     ```python
-    >>> from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    >>> from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
     >>> worker = HFGenerateRolloutWorker(model_path, dataset, [reward], tokenizer, args)  # doctest: +SKIP
     >>> trainer = RLLossAsyncGRPOTrainer(model_path, args=args, train_dataset=dataset, rollout_worker=worker,
     ...                                  weight_transfer=QueueWeightTransfer(worker))  # doctest: +SKIP
@@ -276,7 +276,7 @@ class RolloutWorker:
         self.rollout_buffer.health = lambda: self._raise_if_dead()
         self.metrics_queue = ctx.Queue(maxsize=4096)
         self.weights = LatestWeights(ctx)
-        # Shared with the process without a lock (see async_/channel.py): each written by one side only, so a worker
+        # Shared with the process without a lock (see rollout/channel.py): each written by one side only, so a worker
         # killed anywhere leaves nothing the trainer waits on (an Event or a synchronized Value would: their shared
         # lock is taken on every read and write)
         self._model_version = ctx.Value("q", 0, lock=False)

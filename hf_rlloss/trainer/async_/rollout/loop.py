@@ -6,7 +6,7 @@ Which policy version samples which batch: without `fixed_lag` the newest the wor
 late; with it, the version of the batch (`staleness.version_for_batch`), a function of the batch's index alone,
 waited for if needed. Each batch is sampled under a seed derived from `(seed, index of its first prompt)`
 (`batch_seed`). The trainer's side of the worker (the process handle, its health, the weight transfer) is
-`async_/worker.py`.
+`rollout/worker.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from .multiturn import AgentSpec, MultiTurnRollouts
+from ..staleness import version_for_batch
 from .process import exit_with_parent
 from .scoring import GroupScoring
-from .staleness import version_for_batch
+from .tool_calling import AgentSpec, MultiTurnRollouts
 
 __all__ = ["WorkerLoop", "WorkerSettings", "batch_seed", "id_list", "worker_main"]
 
@@ -47,7 +47,7 @@ def id_list(value: int | Sequence[int] | None) -> list[int]:
 @dataclasses.dataclass
 class WorkerSettings:
     """What the worker process needs (picklable). `loop_class` is the backend's `WorkerLoop`, and `backend` its own
-    options (`vllm_rollout.VLLMRolloutWorker`'s engine size)."""
+    options (`vllm.VLLMRolloutWorker`'s engine size)."""
 
     model_path: str
     prompts: list[dict[str, Any]]
@@ -71,10 +71,10 @@ class WorkerSettings:
     weight_sync_steps: int = 1
     start_group: int = 0  # the first prompt served, counted over epochs (a resumed run's position)
     resume_weights: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (version, safetensors file)
-    agent: AgentSpec | None = None  # tools / environments: multi-turn rollouts (`async_/multiturn.py`)
+    agent: AgentSpec | None = None  # tools / environments: multi-turn rollouts (`rollout/tool_calling/rollouts.py`)
     max_completion_length: int = 0
     max_model_len: int = 0
-    scale_rewards: str = "group"  # TRL's meanings (`scoring.group_advantages`)
+    scale_rewards: str = "group"  # TRL's meanings (`common.advantages.group_advantages`)
     max_dropped_groups: int = 0  # consecutive groups dropped by `on_rollout_error="drop"` before the worker stops
     loop_class: type[WorkerLoop] | None = None  # the backend's loop, run in the worker process
     backend: dict[str, Any] = dataclasses.field(default_factory=dict)  # the backend's own options

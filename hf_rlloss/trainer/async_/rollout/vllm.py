@@ -2,7 +2,7 @@
 `generate`, on any machine vLLM runs on (its CPU build included), without a server or NCCL.
 
 It is a `worker.RolloutWorker` (prompts, queues, heartbeat, weight lag, and the weights through
-`worker.QueueWeightTransfer`; the group scoring of `async_/scoring.py`), as `cpu_rollout.HFGenerateRolloutWorker` is,
+`worker.QueueWeightTransfer`; the group scoring of `rollout/scoring.py`), as `hf_generate.HFGenerateRolloutWorker` is,
 with two things of its own in the worker process:
 
 * the policy copy is a vLLM engine (`LLM`, in-process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the weights can be
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..common.sampling import cut_at_eos
-from ..common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from ...common.sampling import cut_at_eos
+from ...common.vllm_cpu import silence_trl_vllm_version_warning, use_reloadable_cpu_linear
+from .loop import WorkerLoop, id_list
 from .worker import RolloutWorker
-from .worker_loop import WorkerLoop, id_list
 
 __all__ = ["VLLMRolloutWorker", "VLLMWorkerLoop"]
 
@@ -107,7 +107,7 @@ class VLLMWorkerLoop(WorkerLoop):
     @torch.no_grad()
     def _generate_ids(self, prompt_ids: list[list[int]], seed: int, budgets: list[int] | None = None
                       ) -> tuple[list[list[int]], list[list[float]]]:  # fmt: skip
-        """Multi-turn (`worker_loop.WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
+        """Multi-turn (`loop.WorkerLoop._generate_multiturn_batch`): one completion per prompt, request `i`
         sampled under seed `seed + i`, of at most `budgets[i]` tokens (the completion budget its conversation has
         left)."""
         budgets = budgets or [None] * len(prompt_ids)
@@ -147,7 +147,7 @@ class VLLMRolloutWorker(RolloutWorker):
     Example:
 
     ```python
-    >>> from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker
+    >>> from hf_rlloss.trainer.async_.rollout import VLLMRolloutWorker
     >>> worker = VLLMRolloutWorker(model_path, dataset, [reward], tokenizer, args, kv_cache_gib=2)  # doctest: +SKIP
     ```
     """

@@ -2,12 +2,12 @@
 the weight transfer to it through a `torch.multiprocessing` queue (shared memory).
 
 `HFGenerateRolloutWorker` is a `worker.RolloutWorker` (the process, its health, the weights and which policy samples
-which batch: `async_/worker.py`, `async_/worker_loop.py`; the group scoring: `async_/scoring.py`) whose process
+which batch: `rollout/worker.py`, `rollout/loop.py`; the group scoring: `rollout/scoring.py`) whose process
 samples with HF `generate`: the prompts left padded into one call (`common.sampling.generate_and_cut`), each sampled
 token's log-prob recorded as the synchronous trainer's recorder does (`rollout_recording.SampledTokenLogprobs`: the
 same support under top-k/top-p/min-p), each prompt prefilled once for its completions
 (`shared_prefill.sharing_prompts`), and under `routing_replay="rollout"` the MoE routes recorded with the samples
-(`async_/routing.py`).
+(`async_/routing_replay.py`).
 
 The names of the worker framework a user imports with it are importable from here too (`QueueWeightTransfer`,
 `RolloutWorkerDiedError`, `NoRolloutSamplesError`, `group_advantages`, `batch_seed`, ...).
@@ -22,32 +22,17 @@ import torch
 from transformers.utils import logging
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from ..common.advantages import group_advantages
-from ..common.rollout_recording import SampledTokenLogprobs, recording_logprobs
-from ..common.routing_replay import RoutingReplay, generation_routes
-from ..common.sampling import generate_and_cut
-from ..common.shared_prefill import sharing_prompts
-from .routing import sample_routes
-from .scoring import NoRolloutSamplesError
-from .staleness import check_weight_lag, least_trained_lag, version_for_batch
-from .worker import VLLM_ONLY_OPTIONS, QueueWeightTransfer, RolloutWorker, RolloutWorkerDiedError
-from .worker_loop import WorkerLoop, batch_seed, id_list
+from ...common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+from ...common.routing_replay import RoutingReplay, generation_routes
+from ...common.sampling import generate_and_cut
+from ...common.shared_prefill import sharing_prompts
+from ..routing_replay import sample_routes
+from .loop import WorkerLoop, batch_seed, id_list
+from .worker import RolloutWorker
 
 logger = logging.get_logger(__name__)
 
-__all__ = [
-    "HFGenerateLoop",
-    "HFGenerateRolloutWorker",
-    "NoRolloutSamplesError",
-    "QueueWeightTransfer",
-    "RolloutWorkerDiedError",
-    "VLLM_ONLY_OPTIONS",
-    "batch_seed",
-    "check_weight_lag",
-    "group_advantages",
-    "least_trained_lag",
-    "version_for_batch",
-]
+__all__ = ["HFGenerateLoop", "HFGenerateRolloutWorker"]
 
 
 class HFGenerateLoop(WorkerLoop):
@@ -121,7 +106,7 @@ class HFGenerateRolloutWorker(RolloutWorker):
     Example:
 
     ```python
-    >>> from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    >>> from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
     >>> worker = HFGenerateRolloutWorker(model_path, dataset, [reward], tokenizer, args)  # doctest: +SKIP
     >>> transfer = QueueWeightTransfer(worker)  # doctest: +SKIP
     ```

@@ -1,6 +1,6 @@
 """A spawned process that dies with the process that started it.
 
-The rollout workers run in a process of their own (`async_/worker.py`). `ProcessDyingWithParent` asks the OS, from the
+The rollout workers run in a process of their own (`rollout/worker.py`). `ProcessDyingWithParent` asks the OS, from the
 child's first instruction, to end it when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`), and `exit_with_parent`
 watches the parent from a thread once the child runs: a trainer killed at any point leaves no worker behind.
 """

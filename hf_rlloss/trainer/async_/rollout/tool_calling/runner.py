@@ -159,7 +159,7 @@ class ToolRunner:
 
     ```python
     >>> from hf_rlloss.recipe_support.tools import TOOLS
-    >>> from hf_rlloss.trainer.async_.tool_calls import ToolRunner
+    >>> from hf_rlloss.trainer.async_.rollout.tool_calling import ToolRunner
     >>> runner = ToolRunner(timeout_s=30.0, processes=1, max_hung_threads=4, tick=None, preload=[TOOLS["add"]])
     >>> runner.result(runner.submit(TOOLS["add"], {"a": 2, "b": 3}))
     ('ok', 5)

@@ -1,10 +1,10 @@
 """TRL's tool-calling loop run outside `GRPOTrainer`: the host it runs on, and its result by name.
 
 The rollout workers run TRL's own loop, `GRPOTrainer._tool_call_loop` (with `_get_tool_suffix_ids`), so that a
-multi-turn sample is built exactly as the synchronous trainer builds it (`async_/multiturn.py`). Those are methods of
-`GRPOTrainer` and read what they need from `self`: `ToolLoopHost` is the object they run on, with every attribute they
-read declared (`tests/test_trl_tool_loop.py` reads the attributes from TRL's source and fails naming any the host
-lacks, so that a TRL change fails at test time rather than in a spawned worker).
+multi-turn sample is built exactly as the synchronous trainer builds it (`rollout/tool_calling/rollouts.py`). Those are
+methods of `GRPOTrainer` and read what they need from `self`: `ToolLoopHost` is the object they run on, with every
+attribute they read declared (`tests/test_trl_tool_loop.py` reads the attributes from TRL's source and fails naming any
+the host lacks, so that a TRL change fails at test time rather than in a spawned worker).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class ToolLoopHost:
     Example:
 
     ```python
-    >>>     >>> from transformers import AutoTokenizer
-    >>> from hf_rlloss.trainer.async_.trl_tool_loop import ModelContext, ToolLoopHost
+    >>> import math
+    >>> from transformers import AutoTokenizer
+    >>> from hf_rlloss.trainer.async_.rollout.tool_calling import ModelContext, ToolLoopHost
     >>> tok = AutoTokenizer.from_pretrained("Qwen/Qwen3-0.6B")  # doctest: +SKIP
     >>> host = ToolLoopHost(tok, None, {}, 64, math.inf, ModelContext(4096), [], None, {})  # doctest: +SKIP
     >>> host.run(prompts, prompt_ids, completion_ids, completions, logprobs).tool_mask  # doctest: +SKIP
