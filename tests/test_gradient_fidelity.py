@@ -179,6 +179,35 @@ def test_the_zero_update_scores_relative_bias_and_mse_1_in_closed_form():
         assert entry["relative_variance"]["value"] == 0 and np.isnan(entry["cosine"]["value"])
 
 
+def test_the_verdict_keeps_a_correction_only_where_its_mse_lies_below_dropping_after_holm():
+    """Two lags, two corrections: `good` has a small bias at lag 1 (MSE far below 1: kept); at lag 16 it carries no
+    signal (the zero update's bias plus noise: MSE about 1, not kept), and `bad` doubles the gradient everywhere (its
+    bias is the gradient: MSE above 1)."""
+    from hf_rlloss.recipe_support.gradient_fidelity import fidelity_report, format_verdicts, verdicts
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(40):
+        g = rng.normal(size=8) + 1.0
+        on = [g + 0.1 * rng.normal(size=8) for _ in range(4)]
+        near = [g + 0.05 * rng.normal(size=8) for _ in range(2)]
+        far = [0.3 * rng.normal(size=8) for _ in range(2)]  # no signal: the zero update's bias, and some variance
+        double = [2 * g + 0.05 * rng.normal(size=8) for _ in range(2)]
+        bad = prompt_terms(on, double)
+        terms = {"1": {"none": bad, "good": prompt_terms(on, near), "bad": bad},
+                 "16": {"none": bad, "good": prompt_terms(on, far), "bad": bad}}  # fmt: skip
+        rows.append({"floor": floor_terms(on), "terms": terms,
+                     "weights": {k: {n: [1.0, 1.0, 1.0] for n in v} for k, v in terms.items()}})  # fmt: skip
+    result = verdicts(fidelity_report(rows, ["none", "good", "bad"], resamples=2000))
+    assert result["1"]["good"]["keep"] and result["1"]["good"]["value"] < -0.9
+    assert not result["16"]["good"]["keep"] and not result["1"]["bad"]["keep"] and not result["16"]["bad"]["keep"]
+    assert result["1"]["bad"]["value"] > 0  # doubling the gradient scores 1 (its bias is the gradient): above 0
+    # Holm over the six tests: the adjusted p is at least the raw one
+    assert all(t["p_holm"] >= t["p"] for lag in result.values() for t in lag.values())
+    text = format_verdicts(result)
+    assert "- 1: good (" in text and "- 16: no correction is shown to beat dropping" in text
+
+
 def test_the_zero_advantage_share_counts_the_flagged_prompts_squared_bias():
     assert zero_advantage_bias_share([1.0, 3.0, 0.0, 4.0], [False, True, True, False]) == pytest.approx(3 / 8)
     assert np.isnan(zero_advantage_bias_share([0.0, 0.0], [True, False]))

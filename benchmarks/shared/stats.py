@@ -23,6 +23,8 @@ import random
 import statistics
 from collections.abc import Sequence
 
+from hf_rlloss.recipe_support.fidelity_stats import holm  # noqa: F401  (Holm-Bonferroni, re-exported)
+
 NORMAL = statistics.NormalDist()
 
 
@@ -224,18 +226,6 @@ def paired_table(x: Sequence[int], y: Sequence[int]) -> dict[tuple[int, int], in
     for a, b in zip(x, y):
         table[(int(bool(a)), int(bool(b)))] += 1
     return table
-
-
-def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm–Bonferroni adjusted p-values, in the order given: with p₍₁₎ ≤ … ≤ p₍ₘ₎ sorted,
-    p̃₍ᵢ₎ = max_{j ≤ i} min(1, (m − j + 1) p₍ⱼ₎). Reject H₍ᵢ₎ at level α when p̃₍ᵢ₎ ≤ α."""
-    m = len(p_values)
-    order = sorted(range(m), key=lambda i: p_values[i])
-    adjusted, running = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p_values[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 # ------------------------------------------------------------------------------------------------------------------

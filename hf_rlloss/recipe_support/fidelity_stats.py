@@ -127,6 +127,18 @@ def bootstrap_p_error(resampled: np.ndarray) -> float:
     return float(2 * np.sqrt(q * (1 - q) / finite.size))
 
 
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm–Bonferroni adjusted p-values, in the order given: with p₍₁₎ ≤ … ≤ p₍ₘ₎ sorted,
+    p̃₍ᵢ₎ = max_{j ≤ i} min(1, (m − j + 1) p₍ⱼ₎). Reject H₍ᵢ₎ at level α when p̃₍ᵢ₎ ≤ α."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
 def fidelity_statistics(
     per_prompt: Mapping[str, Sequence[Mapping[str, float]]],
     batch_groups: int = 2,

@@ -34,7 +34,7 @@ import torch
 
 from ..loss.config import GRPOLossConfig
 from ..loss.context import GRPOLossContext
-from ..trainer.async_.scoring import group_advantages
+from ..trainer.common.advantages import group_advantages, nanstd
 from ..trainer.common.sampling import generate_and_cut
 from .fidelity_stats import (
     DROP,
@@ -42,6 +42,7 @@ from .fidelity_stats import (
     drop_terms,
     fidelity_statistics,
     floor_terms,
+    holm,
     prompt_terms,
     zero_advantage_bias_share,
 )
@@ -141,6 +142,13 @@ def trl_group_advantages(rewards: np.ndarray) -> np.ndarray:
     return group_advantages(rewards)[0]
 
 
+def step_advantages(rewards: Sequence[np.ndarray], scale_rewards: str = "group") -> list[np.ndarray]:
+    """Each group's `(G,)` advantages as TRL scores one batch of groups: `r − mean` per group, divided by the group's
+    std (`"group"`), by the std of every reward of the batch (`"batch"`), or not (`"none"`), + 1e-4."""
+    batch_std = nanstd(np.concatenate([np.asarray(r, dtype=np.float64) for r in rewards]))
+    return [group_advantages(np.asarray(r, dtype=np.float64), scale_rewards, batch_std)[0] for r in rewards]
+
+
 def score(
     reward_funcs: Sequence[Callable], row: Mapping[str, Any], completions_text: list[str]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -158,7 +166,14 @@ def score(
 
 @dataclass
 class Settings:
-    """How groups are sampled and gradients sketched (the trainer's sampling settings)."""
+    """How groups are sampled and gradients sketched (the trainer's sampling settings), and the objective.
+
+    The objective is the loss layer's with each correction's `rl_loss`, plus, as the trainer adds them: the KL term
+    to a reference policy (`kl_loss_coef` > 0, `kl_loss_type`; the asynchronous demo trains with k3 at 0.001) and
+    TRL's reward scaling (`scale_rewards`: `"group"`, `"batch"` or `"none"`, over the groups of one step in
+    `GradientFidelity.step_gradients`). The per-prompt estimates (`gradients`) take the token mean of each group
+    and score it alone (under `"batch"`, with its own std); `step_gradients` is the trainer's objective on a step.
+    """
 
     num_generations: int = 8
     max_completion_length: int = 24
@@ -167,6 +182,15 @@ class Settings:
     sketch_dim: int = 8192
     seed: int = 0
     corrections: dict[str, Correction] = field(default_factory=lambda: dict(CORRECTIONS))
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k3"
+
+    def __post_init__(self):
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"Settings.scale_rewards={self.scale_rewards!r}: one of 'group', 'batch', 'none'")
+        if self.kl_loss_coef < 0:
+            raise ValueError(f"Settings.kl_loss_coef={self.kl_loss_coef}: must be >= 0")
 
 
 class GradientFidelity:
@@ -177,7 +201,8 @@ class GradientFidelity:
         policy: the current policy θ (a transformers causal LM; put in eval mode, its gradients are taken).
         tokenizer: its tokenizer (a chat template for conversational prompts).
         reward_funcs (`Sequence[Callable]`): reward functions in TRL's signature.
-        settings (`Settings`, *optional*): sampling, sketch and corrections.
+        settings (`Settings`, *optional*): sampling, sketch, corrections and the objective.
+        reference (*optional*): the reference policy of the KL term (required when `settings.kl_loss_coef` > 0).
 
     Example:
 
@@ -189,13 +214,25 @@ class GradientFidelity:
     """
 
     def __init__(
-        self, policy: Any, tokenizer: Any, reward_funcs: Sequence[Callable], settings: Settings | None = None
+        self,
+        policy: Any,
+        tokenizer: Any,
+        reward_funcs: Sequence[Callable],
+        settings: Settings | None = None,
+        reference: Any = None,
     ):
         self.policy = policy.eval()
         self.tokenizer = tokenizer
         self.reward_funcs = list(reward_funcs)
         self.settings = settings or Settings()
-        self.configs = {name: GRPOLossConfig(**c.rl_loss) for name, c in self.settings.corrections.items()}
+        kl = {}
+        if self.settings.kl_loss_coef:
+            if reference is None:
+                raise ValueError(f"Settings.kl_loss_coef={self.settings.kl_loss_coef} needs a reference model")
+            kl = {"use_kl_loss": True, "kl_loss_coef": self.settings.kl_loss_coef,
+                  "kl_loss_type": self.settings.kl_loss_type}  # fmt: skip
+        self.reference = None if reference is None else reference.eval()
+        self.configs = {name: GRPOLossConfig(**{**c.rl_loss, **kl}) for name, c in self.settings.corrections.items()}
         named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.sketch = CountSketch([(n, p.numel()) for n, p in named], self.settings.sketch_dim, self.settings.seed)
@@ -224,31 +261,67 @@ class GradientFidelity:
             group = Group(prompt_ids, completions, np.zeros(len(completions)), np.zeros(len(completions)))
             group.behavior_logprobs = completion_logprobs(model, group, self.pad_token_id)
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        group.rewards, group.advantages = score(self.reward_funcs, row, text)
+        group.rewards, _ = score(self.reward_funcs, row, text)
+        group.advantages = step_advantages([group.rewards], s.scale_rewards)[0]
         return group
 
     def gradients(self, group: Group, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
         """Each named correction's sketched gradient at θ on `group` (`(k,)` float64), and the sums `[Σw, Σw², N]`
-        of the IS weights it applied over the group's valid tokens (rejected tokens weigh 0)."""
+        of the IS weights it applied over the group's valid tokens (rejected tokens weigh 0): the group's own loss
+        (its advantages as scored, the token mean over the group)."""
         zero = torch.zeros(self.sketch.dim, dtype=torch.float64)
-        if not np.any(group.advantages):  # every advantage 0: every estimator's gradient is 0
+        if not np.any(group.advantages) and not self.settings.kl_loss_coef:  # every estimator's gradient is 0
             return {name: zero for name in names}, {name: [0.0, 0.0, 0.0] for name in names}
         _, _, labels = group.batch(self.pad_token_id)
-        logprobs = completion_logprobs(self.policy, group, self.pad_token_id)  # (G, T), with the graph
-        current, behavior = logprobs.detach(), group.behavior_logprobs
-        leaf = current.clone().requires_grad_(True)
         advantages = torch.tensor(group.advantages, dtype=torch.float32)
+        return self._through_the_loss([group], labels, advantages, names)
+
+    def step_gradients(
+        self, groups: Sequence[Group], names: Sequence[str], sketch: bool = True
+    ) -> tuple[dict[str, Any], dict[str, list]]:
+        """The trainer's objective on one optimizer step of `groups` (several prompts' groups): the advantages
+        recomputed from the rewards as TRL scores a batch (`Settings.scale_rewards`: `"batch"` divides by the std of
+        every reward of the step), one loss context over every completion of the step (the token mean over the step:
+        the trainer's global normalization), and the KL term to `reference` (`Settings.kl_loss_coef`). Returns each
+        named correction's gradient (sketched `(k,)`, or with `sketch=False` one tensor per trainable parameter) and
+        its IS-weight sums."""
+        advantages = step_advantages([g.rewards for g in groups], self.settings.scale_rewards)
+        width = max(len(c) for g in groups for c in g.completions)
+        labels = [g.batch(self.pad_token_id)[2] for g in groups]  # (G, T_g) each
+        labels = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=IGNORE) for x in labels])
+        advantages = torch.tensor(np.concatenate(advantages), dtype=torch.float32)
+        return self._through_the_loss(groups, labels, advantages, names, sketch)
+
+    def _logprobs(self, model: Any, groups: Sequence[Group], width: int) -> torch.Tensor:
+        """`(ΣG, width)` completion log-probs of `groups` under `model` (each group its own forward: its prompt)."""
+        rows = [completion_logprobs(model, g, self.pad_token_id) for g in groups]
+        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows])
+
+    def _through_the_loss(
+        self, groups: Sequence[Group], labels: torch.Tensor, advantages: torch.Tensor, names: Sequence[str],
+        sketch: bool = True,
+    ) -> tuple[dict[str, Any], dict[str, list]]:  # fmt: skip
+        """Each correction's gradient at θ of the loss layer's loss on `groups` as one batch (`labels` `(B, T)`,
+        `advantages` `(B,)`), through `GRPOLossConfig.build`, `compute_rollout_is`, `build_batches` and the loss."""
+        width = labels.shape[1]
+        logprobs = self._logprobs(self.policy, groups, width)  # (B, T), with the graph
+        current = logprobs.detach()
+        behavior = torch.cat([torch.nn.functional.pad(g.behavior_logprobs, (0, width - g.behavior_logprobs.shape[1]))
+                              for g in groups])  # fmt: skip
+        reference = None
+        if self.settings.kl_loss_coef:
+            with torch.no_grad():
+                reference = self._logprobs(self.reference, groups, width)
+        leaf = current.clone().requires_grad_(True)
         vectors, weights, seen = {}, {}, {}
         for name in names:
             correction = self.settings.corrections[name]
             old = behavior if correction.old_policy == "behavior" else current
             rollout = 2 * current - behavior if correction.invert_weights else behavior
-            data = {
-                "shifted_labels": labels,
-                "advantages": advantages,
-                "old_logprobs": old,
-                "rollout_logprobs": rollout,
-            }
+            data = {"shifted_labels": labels, "advantages": advantages, "old_logprobs": old,
+                    "rollout_logprobs": rollout}  # fmt: skip
+            if reference is not None:
+                data["ref_logprobs"] = reference
             ctx = self.configs[name].build(data)
             valid = ctx.mask
             ctx.compute_rollout_is()
@@ -260,7 +333,8 @@ class GradientFidelity:
                 vectors[name] = vectors[same]
             else:
                 grads = torch.autograd.grad(logprobs, self.params, coefficients, retain_graph=True, allow_unused=True)
-                vectors[name] = self.sketch(grads)
+                vectors[name] = self.sketch(grads) if sketch else [torch.zeros_like(p) if g is None else g
+                                                                   for p, g in zip(self.params, grads)]  # fmt: skip
                 seen[name] = coefficients
             w = ctx.loss_kwargs.rollout_is_weights
             w = torch.where(ctx.mask, torch.ones_like(current) if w is None else w, 0.0)[valid].double()
@@ -409,6 +483,32 @@ def format_report(report: Mapping[str, Any], corrections: Mapping[str, Correctio
 _REFERENCES = {FLOOR: "split-half on-policy", DROP: "the zero update: the stale batch not trained on"}
 
 
+def verdicts(report: Mapping[str, Any], alpha: float = 0.05) -> dict[str, dict[str, dict]]:
+    """Per behaviour label and correction: whether training on the stale batch with it is shown to beat dropping the
+    batch, its relative MSE below the zero update's (`"<name> - drop"`), Holm-adjusted over every label and
+    correction of the report (what the user compares). `keep`: the adjusted p is below `alpha` and the difference
+    negative; otherwise the data do not show that the correction beats dropping (which is not evidence that it
+    does not)."""
+    tests = [(label, name[: -len(f" - {DROP}")], entry["relative_mse"])
+             for label, stats in report.items() for name, entry in stats["differences"].items()
+             if name.endswith(f" - {DROP}")]  # fmt: skip
+    adjusted = holm([t["p"] for _, _, t in tests])
+    out: dict[str, dict[str, dict]] = {}
+    for (label, name, test), p in zip(tests, adjusted):
+        keep = p < alpha and test["value"] < 0
+        out.setdefault(label, {})[name] = {**test, "p_holm": p, "keep": keep}
+    return out
+
+
+def format_verdicts(verdicts: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """One line per behaviour label: the corrections shown to beat dropping the stale batch there (`verdicts`)."""
+    lines = ["Beats dropping the stale batch (relative MSE below 1, Holm-adjusted over every lag and correction):"]
+    for label, tests in verdicts.items():
+        kept = [f"{name} ({_interval(t)}, Holm p {t['p_holm']:.3f})" for name, t in tests.items() if t["keep"]]
+        lines.append(f"- {label}: " + (", ".join(kept) if kept else "no correction is shown to beat dropping"))
+    return "\n".join(lines)
+
+
 def _interval(entry: Mapping[str, float]) -> str:
     if not math.isfinite(entry["value"]):
         return "undefined"
@@ -436,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sketch-dim", type=int, default=8192)
     parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=list(CORRECTIONS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
+                        help="TRL's reward scaling, as the run trains with")  # fmt: skip
+    parser.add_argument("--kl-loss-coef", type=float, default=0.0, help="the KL term's coefficient (--reference)")
+    parser.add_argument("--kl-loss-type", default="k3")
+    parser.add_argument("--reference", help="the KL term's reference policy (the run's initial model)")
     parser.add_argument("--output", help="write the report as JSON here")
     return parser
 
@@ -467,13 +572,18 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         temperature=args.temperature, batch_groups=args.batch_groups, sketch_dim=args.sketch_dim, seed=args.seed,
-        corrections={name: CORRECTIONS[name] for name in args.corrections},
+        corrections={name: CORRECTIONS[name] for name in args.corrections}, scale_rewards=args.scale_rewards,
+        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
     )  # fmt: skip
-    fidelity = GradientFidelity(policy, tokenizer, get_reward_funcs(args.reward_funcs), settings)
+    reference = None
+    if args.reference:
+        reference = AutoModelForCausalLM.from_pretrained(resolve_model(args.reference), dtype=torch.float32)
+    fidelity = GradientFidelity(policy, tokenizer, get_reward_funcs(args.reward_funcs), settings, reference)
     rows = list(arithmetic_dataset(args.num_prompts, seed=args.seed, max_operand=args.max_operand))
     per_prompt = [fidelity.measure(row, behaviors, i) for i, row in enumerate(tqdm(rows, desc="prompts"))]
     report = fidelity.report(per_prompt)
     print(format_report(report, settings.corrections))
+    print(format_verdicts(verdicts(report)))
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "report": report}, f, indent=1)
