@@ -9,10 +9,10 @@ Example:
 
 ```python
 >>> import warnings
+>>> from hf_rlloss.trainer.async_ import rollout
 >>> with warnings.catch_warnings(record=True):
-...     from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker
->>> from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker as new
->>> HFGenerateRolloutWorker is new
+...     from hf_rlloss.trainer.async_ import cpu_rollout  # the previous release's path
+>>> cpu_rollout.HFGenerateRolloutWorker is rollout.HFGenerateRolloutWorker
 True
 ```
 """
