@@ -1,10 +1,12 @@
 """The loss layer: config → kwargs → context, on tensors, without TRL.
 
-A pydantic config (`config`) builds, for each micro-batch, loss kwargs and a loss context (`context`); the contexts
-of one optimizer step are normalized together. What the context computes is split one concept per file: the policy
-losses (`policy_losses`), the KL penalty (`kl`), the aggregation weights (`aggregation`), rollout importance sampling
-(`rollout_is`), the chunked LM-head log-probs and objective (`chunked_logprobs`), the train-policy metrics and their
-cross-rank reduction (`metrics`), and the table of per-token fields (`fields`).
+Three stages, a module each: a pydantic config (`config`) builds, for each micro-batch, loss kwargs (`kwargs`: the
+validated per-token tensors, split for SP) and a loss context (`context`: the base; `grpo_context`: the GRPO family);
+the contexts of one optimizer step are normalized together. What the context computes is split one concept per file:
+the policy losses (`policy_losses`), the KL penalty (`kl`), the aggregation weights (`aggregation`), rollout importance
+sampling (`rollout_is`), M2PO's second-moment mask (`second_moment`), the chunked LM-head log-probs and objective
+(`chunked_logprobs`), the train-policy metrics and their cross-rank reduction (`metrics`), and the table of per-token
+fields (`fields`).
 
 It sits on the parallelism layer (`hf_rlloss.parallel`: collectives, SP split/gather, since a context under sequence
 parallelism keeps only its shard of each field) and imports neither TRL nor the trainer, so it can be used with any
@@ -13,8 +15,10 @@ training loop.
 
 from .chunked_logprobs import chunked_kept_logmass, chunked_logprobs, chunked_objective
 from .config import BaseRLLossConfig, GRPOLossConfig, PolicyLossConfig
-from .context import BaseRLLossContext, BaseRLLossKwargs, GRPOLossContext, train_policy_metrics
+from .context import BaseRLLossContext
+from .grpo_context import GRPOLossContext, train_policy_metrics
 from .kl import KL_TYPES, compute_kl_loss_weight, kl_penalty
+from .kwargs import BaseRLLossKwargs
 from .metrics import (
     Reduction,
     accumulate_metrics,

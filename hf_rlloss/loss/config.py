@@ -1,9 +1,11 @@
 """Loss configurations: pydantic models validated at construction that build loss contexts from data.
 
-This is what the YAML's `rl_loss:` block fills: `RLLossGRPOConfig` (in `trainer_config.py`, the TRL `GRPOConfig`
-subclass that holds every other training option) validates that mapping into `GRPOLossConfig` (its
-`loss_config_class`) and keeps it as `args.rl_loss_config`. Used on its own, the loss layer needs only this module:
-`GRPOLossConfig(...).build(data)` gives the loss context of one micro-batch (`hf_rlloss.loss.context`).
+This is what the YAML's `rl_loss:` block fills: `RLLossGRPOConfig` (in `hf_rlloss/trainer/grpo_config.py`, the TRL
+`GRPOConfig` subclass that holds every other training option; `RLLossAsyncGRPOConfig` in `async_grpo_config.py` for the
+asynchronous trainer) validates that mapping into `GRPOLossConfig` (its `loss_config_class`) and keeps it as
+`args.rl_loss_config`. Used on its own, the loss layer needs only this module: `GRPOLossConfig(...).build(data)` makes
+the loss kwargs of one micro-batch (`hf_rlloss.loss.kwargs`) and its loss context (`hf_rlloss.loss.context`, the GRPO
+one in `hf_rlloss.loss.grpo_context`): config → kwargs → context.
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ class BaseRLLossConfig(BaseModel):
         Returns:
             The context, or `None` when `shifted_labels` or `advantages` is missing (nothing to train on).
         """
-        from .context import prepare_kwargs
+        from .kwargs import prepare_kwargs
 
         unknown = set(data) - set(DATA_KEYS)
         if unknown:
@@ -322,6 +324,6 @@ class GRPOLossConfig(BaseRLLossConfig):
 
     @property
     def loss_ctx_cls(self) -> type[BaseRLLossContext]:
-        from .context import GRPOLossContext
+        from .grpo_context import GRPOLossContext
 
         return GRPOLossContext

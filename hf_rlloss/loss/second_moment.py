@@ -15,11 +15,21 @@ The ratio is the one rollout IS uses (`hf_rlloss.loss.rollout_is`): π_old, the 
 step, against the behaviour policy μ, so that the mask is a constant of the step, known before the denominators are
 counted, and exact over the step's micro-batches and ranks (one all-gather of the ``δ²`` values). With one optimizer
 step per batch, π_old is the policy the loss differentiates, as in the paper.
+
+`m2_keep_bound` is the bound of the kept set over the step's values; `second_moment_mask` applies it to a step's
+micro-batches (called by `GRPOLossContext.build_batches` before the denominators are counted).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ..parallel.collectives import all_gather_1d
+from .metrics import M2_ACC, M2_TOKENS, accumulate_metrics
+
+__all__ = ["m2_keep_bound", "second_moment_mask"]
 
 
 def m2_keep_bound(delta_sq: torch.Tensor, threshold: float) -> float:
@@ -45,3 +55,43 @@ def m2_keep_bound(delta_sq: torch.Tensor, threshold: float) -> float:
     if admissible.numel() == 0:
         return float("-inf")
     return float(values[admissible[-1]])  # prefix means of an ascending sequence do not decrease
+
+
+def second_moment_mask(contexts: list[Any], threshold: float, process_group: Any = None) -> None:
+    """M2PO's mask over one optimizer step: reject the step's tokens with the largest `δ² = (log π_old − log μ)²`
+    until the mean over the kept ones, on every micro-batch and rank, is ≤ `threshold` (`m2_keep_bound` of the
+    step's values, one all-gather), counting them in the `rollout_is/m2_*` accumulators.
+
+    Args:
+        contexts (`list[BaseRLLossContext]`): this rank's micro-batches of the step, each with `old_logprobs` and
+            `rollout_logprobs`; their rejected tokens are dropped (`drop_tokens`) before the step's denominators.
+        threshold (`float`): τ > 0 (`rollout_is.m2_threshold`).
+        process_group (`ProcessGroup`, *optional*): every rank of the step; defaults to the whole world.
+    """
+    deltas = []
+    for i, ctx in enumerate(contexts):
+        kwargs = ctx.loss_kwargs
+        if kwargs.old_logprobs is None or kwargs.rollout_logprobs is None:
+            raise ValueError(
+                f"rollout_is.m2_threshold needs old_logprobs and rollout_logprobs; {ctx.label(i)} lacks "
+                f"{'old_logprobs' if kwargs.old_logprobs is None else 'rollout_logprobs'}"
+            )
+        old = kwargs.old_logprobs if kwargs.old_kept_logmass is None else kwargs.old_logprobs - kwargs.old_kept_logmass
+        deltas.append((old.double() - kwargs.rollout_logprobs.double()).square())  # (B, T)
+    local = torch.cat([delta_sq[ctx.mask] for delta_sq, ctx in zip(deltas, contexts)])
+    bound = m2_keep_bound(all_gather_1d(local, process_group), threshold)
+    for ctx, delta_sq in zip(contexts, deltas):
+        mask = ctx.mask
+        values = delta_sq[mask]  # (N,)
+        kept = values <= bound
+        ctx.drop_tokens(mask & (delta_sq > bound))
+        ctx.pending_metrics = accumulate_metrics(
+            ctx.pending_metrics,
+            {
+                M2_TOKENS: torch.tensor(float(values.numel()), dtype=torch.float64),
+                M2_ACC + "sum": values.sum(),
+                M2_ACC + "kept_sum": values[kept].sum(),
+                M2_ACC + "kept_tokens": kept.sum().double(),
+                M2_ACC + "masked_tokens": (~kept).sum().double(),
+            },
+        )
