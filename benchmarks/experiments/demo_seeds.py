@@ -95,8 +95,15 @@ def run_seed(
     wall = time.time() - start
     if proc.returncode:
         raise RuntimeError(f"seed {seed} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return run_row(seed, run_dir, overrides, wall, load)
+
+
+def run_row(seed: int, run_dir: Path, overrides: dict | None, wall: float | None, load) -> dict:
+    """A seed's row from its finished run in `run_dir` (`wall`: the launch's wall time, `None` when unknown)."""
     record = json.loads((run_dir / "run_summary.json").read_text())
-    row = {"seed": seed, **outcome(record), "run_summary": record, "wall_s": wall, "load_average_at_start": load}
+    row = {"seed": seed, **outcome(record), "run_summary": record, "load_average_at_start": load}
+    if wall is not None:
+        row["wall_s"] = wall
     if any(key in OUTPUT_ONLY for key in overrides or {}):
         row["output_options"] = {k: v for k, v in overrides.items() if k in OUTPUT_ONLY}
     if (run_dir / "heldout.json").exists():  # the async recipe: every held-out item's result
@@ -134,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--demo", choices=sorted(DEMOS), default="arithmetic")
     parser.add_argument("--accelerate", default="accelerate", help="the launcher (another environment's)")
     parser.add_argument("--plot", help="write the per-seed curves to this PNG")
+    parser.add_argument("--existing", action="store_true",
+                        help="read the seeds' finished runs under --runs-dir instead of running them (a sweep whose "
+                             "results step failed); their rows have no wall time")  # fmt: skip
     parser.add_argument(
         "--add", action="store_true", help="keep --out's rows for the other seeds (an interrupted sweep, resumed)"
     )
@@ -158,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         command += f" --out {args.out}"
     if args.plot:
         command += f" --plot {args.plot}"
+    if args.existing:
+        command += " --existing"
     result = {
         "meta": provenance(command)
         | {
@@ -172,12 +184,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.add:
         result = added_to(json.loads(out.read_text()), result, args.seeds, args.reason)
     for seed in args.seeds:
-        row = run_seed(seed, ROOT / args.runs_dir, overrides, args.demo, args.accelerate)
+        if args.existing:
+            row = run_row(seed, ROOT / args.runs_dir / f"seed{seed}", overrides, None, None)
+        else:
+            row = run_seed(seed, ROOT / args.runs_dir, overrides, args.demo, args.accelerate)
         if args.add:
             row["meta"] = provenance(
                 command + " --add" + (f" --reason {shlex.quote(args.reason)}" if args.reason else "")
             )
-        print(row["summary"], flush=True)
+        print(f"seed {seed}: " + ", ".join(f"{k} {row[k]:.3f}" for k in ("reward_first", "reward_last",
+              "heldout_before", "heldout_after") if k in row), flush=True)  # fmt: skip
         result["runs"] = sorted([*result["runs"], row], key=lambda run: run["seed"])
         result["aggregate"] = aggregate(result["runs"])
         out.write_text(json.dumps(result, indent=1) + "\n")
