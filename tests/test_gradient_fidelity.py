@@ -17,6 +17,7 @@ from hf_rlloss.recipe_support.fidelity_stats import (
     drop_terms,
     fidelity_statistics,
     floor_terms,
+    floor_with_independent_cross_term,
     prompt_terms,
     zero_advantage_bias_share,
 )
@@ -312,3 +313,13 @@ def test_the_command_line_parses():
     assert args.behavior == ["8=b"] and args.corrections == ["token_tis", "m2po"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--policy", "a", "--behavior", "8=b", "--corrections", "nope"])
+
+
+def test_the_floors_cross_term_is_rebuilt_from_its_other_terms_whatever_pairing_stored_it():
+    rng = np.random.default_rng(5)
+    on = [rng.normal(size=6) + 1.0 for _ in range(4)]
+    new = floor_terms(on)
+    old = prompt_terms(on, on[2:])  # the pairing the first experiment's cells stored: ⟨o³, o³⟩ in the cross term
+    assert old["c"] != pytest.approx(new["c"])
+    for stored in (new, old):
+        assert floor_with_independent_cross_term(stored) == pytest.approx(new)

@@ -268,11 +268,15 @@ OTHER_CORRECTIONS = ("sampler_clip", "sequence_tis", "geometric_tis", "token_mis
 
 
 def per_prompt_rows(cell: dict) -> list[dict]:
-    """A cell file's prompts in the form `fidelity_report` reads (one behaviour, labelled by the lag)."""
+    """A cell file's prompts in the form `fidelity_report` reads (one behaviour, labelled by the lag), the noise
+    floor's cross term from independent groups (`floor_with_independent_cross_term`: the cells of the first
+    experiment stored one that paired each group with itself)."""
+    from hf_rlloss.recipe_support.fidelity_stats import floor_with_independent_cross_term
+
     label = str(cell["cell"]["lag"])
     rows = sorted(cell["prompts"], key=lambda row: row["prompt_index"])
-    return [{"floor": r["floor"], "terms": {label: r["terms"]}, "weights": {label: r["weights"]},
-             "rewards": r["rewards"]} for r in rows]  # fmt: skip
+    return [{"floor": floor_with_independent_cross_term(r["floor"]), "terms": {label: r["terms"]},
+             "weights": {label: r["weights"]}, "rewards": r["rewards"]} for r in rows]  # fmt: skip
 
 
 def cell_report(cell: dict, resamples: int = 4000, drop: bool = False, seed: int = 0) -> dict:
@@ -301,6 +305,33 @@ def squared_bias_differences(cell: dict, x: str, y: str) -> list[float]:
     rows = sorted(cell["prompts"], key=lambda row: row["prompt_index"])
     norm = sum(r["floor"]["n"] for r in rows) / len(rows)
     return [(r["terms"][x]["b"] - r["terms"][y]["b"]) / norm for r in rows]
+
+
+def relative_bias_difference(rows: list[dict], x: str, y: str) -> float:
+    """``r_x − r_y`` of a cell's prompts (`per_prompt_rows`): relative biases from the prompt means of the terms."""
+    label = next(iter(rows[0]["terms"]))
+    n = np.mean([r["floor"]["n"] for r in rows])
+
+    def r(name: str) -> float:
+        return float(np.sqrt(max(np.mean([row["terms"][label][name]["b"] for row in rows]), 0.0) / n))
+
+    return r(x) - r(y)
+
+
+def leave_out(cell: dict, x: str, y: str, count: int = 3) -> list[dict]:
+    """How much of ``r_x − r_y`` rests on single prompts: the prompts left out one by one, each time the one whose
+    removal moves the difference most towards 0; per step the prompts left out (their `prompt_index`) and the
+    difference over the rest."""
+    rows = per_prompt_rows(cell)
+    index = [r["prompt_index"] for r in sorted(cell["prompts"], key=lambda row: row["prompt_index"])]
+    out, kept = [], list(range(len(rows)))
+    sign = np.sign(relative_bias_difference(rows, x, y))
+    for _ in range(count):
+        values = {i: relative_bias_difference([rows[j] for j in kept if j != i], x, y) for i in kept}
+        worst = max(values, key=lambda i: -sign * values[i])
+        kept.remove(worst)
+        out.append({"left_out": [index[i] for i in range(len(rows)) if i not in kept], "value": values[worst]})
+    return out
 
 
 def pilot_power(pilot_cell: dict, prompts: int) -> dict:

@@ -78,6 +78,40 @@ def _analysis(r) -> dict:
     return _analysis_of(texts)
 
 
+DROP_RESAMPLES = 40_000  # enough that a decision at 0.05 does not move with the bootstrap's seed (holm_stability)
+HOLM = "gradient_fidelity/holm_stability.json"
+
+
+@functools.lru_cache(maxsize=8)
+def _with_drop(text: str) -> dict:
+    import json
+
+    from benchmarks.experiments import gradient_fidelity
+
+    return gradient_fidelity.cell_report(json.loads(text), DROP_RESAMPLES, drop=True)
+
+
+def _drop_report(r, checkpoint: str, lag: int) -> dict:
+    """A cell's diagnostic report with the zero update (not part of the registered analysis)."""
+    import json
+
+    return _with_drop(json.dumps(r(f"gradient_fidelity/cell_{checkpoint}_lag{lag}.json")))
+
+
+def _stable(r, test: str) -> str:
+    """Whether a secondary test's Holm decision holds over 20 bootstrap seeds at 40,000 resamples."""
+    entry = r(HOLM)["by_resamples"][str(DROP_RESAMPLES)]["tests"].get(test)
+    if entry is None:
+        return "–"
+    seeds = r(HOLM)["seeds"]
+    rejects = entry["rejecting_seeds"]
+    return {0: "no", seeds: "yes"}.get(rejects, f"in {rejects}/{seeds} seeds")
+
+
+def _p4(p: float) -> str:
+    return "< 0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
 def _ci(entry: dict, digits: int = 2) -> str:
     return f"{entry['value']:+.{digits}f} [{entry['ci_low']:+.{digits}f}, {entry['ci_high']:+.{digits}f}]"
 
@@ -96,9 +130,15 @@ def primary(r) -> str:
         verdict = "C closer to the on-policy gradient than B" if boot["value"] < 0 else "B closer than C"
     else:
         verdict = "no difference detected"
+    from benchmarks.experiments import gradient_fidelity
+
+    one, _, three = gradient_fidelity.leave_out(r(CELL_FILES[0]), "token_tis", "none", 3)
     return (
         f"r_C − r_B = {boot['value']:+.3f} (95 % bootstrap CI {boot['ci_low']:+.3f} to {boot['ci_high']:+.3f}, "
-        f"p = {boot['p']:.3f}) over {t['n']} prompts: {verdict}; B's relative bias "
+        f"bootstrap p = {boot['p']:.4f} over {boot['resamples']:,} resamples, Monte-Carlo error "
+        f"{boot['p_mc_se']:.4f}) over {t['n']} prompts: {verdict}. It leans on few prompts: without prompt "
+        f"{one['left_out'][0]} it is {one['value']:+.3f}, without prompts "
+        f"{', '.join(map(str, three['left_out']))} {three['value']:+.3f}. B's relative bias "
         f"{_plain(report['none']['relative_bias'])}, C's {_plain(report['token_tis']['relative_bias'])}. On the "
         f"squared scale the per-prompt differences have mean {t['mean_diff']:+.3f} (95 % CI {t['ci'][0]:+.3f} to "
         f"{t['ci'][1]:+.3f}), t({t['df']}) = {t['t']:.2f}, p = {t['p']:.3f}; C below B on {sign['minus']} prompts, "
@@ -120,15 +160,16 @@ def controls(r) -> str:
     if lag0 is None:
         rows.append("| lag 0: every estimator within the floor | not yet measured | – | – |")
     else:
-        inside = [
-            n for n, e in lag0.items() if n != "noise_floor" and e["within_floor"] and e["ci_low"] <= 0 <= e["ci_high"]
-        ]
-        outside = [n for n in lag0 if n != "noise_floor" and n not in inside]
-        widest = max((e for n, e in lag0.items() if n != "noise_floor"), key=lambda e: abs(e["value"]))
+        estimators = {n: e for n, e in lag0.items() if n != "noise_floor"}
+        values = {round(e["value"], 9) for e in estimators.values()}
+        one = next(iter(estimators.values()))
+        holds = one["ci_low"] <= 0 <= one["ci_high"]
+        same = (f"the {len(estimators)} estimators are one gradient here (every IS weight is 1): one test, not "
+                f"{len(estimators)}" if len(values) == 1 else f"{len(values)} distinct values")  # fmt: skip
         rows.append(
-            f"| lag 0 (θ_40 as its own behaviour, {a['cells']['late_lag0']['prompts']} prompts) | every estimator "
-            f"within the floor, holding 0 | largest: {_ci(widest)} | "
-            f"{'yes, all ' + str(len(inside)) if not outside else 'no: ' + ', '.join(outside)} |"
+            f"| lag 0 (θ_40 as its own behaviour, {a['cells']['late_lag0']['prompts']} prompts) | the estimator's "
+            f"interval holds 0 | {_ci(one)}: a relative bias up to {max(one['ci_high'], 0) ** 0.5:.2f} is not "
+            f"excluded | {'yes' if holds else 'no'}; {same} |"
         )
     inverted = a["control_inverted"]
     rows.append(
@@ -144,12 +185,15 @@ def corrections(r) -> str:
 
     a = _analysis(r)
     report = a["cells"]["late_lag8"]["report"]
+    with_drop = _drop_report(r, "late", 8)["differences"]
     secondary = a["secondary"]
     rows = [
         "| correction | relative bias [95 % CI] | cosine | relative variance per group | relative MSE, 16 samples | "
-        "IS ESS | minus B: relative bias [95 % CI] | Holm p |",
-        "|---|---|---|---|---|---|---|---|",
+        "MSE − drop [95 % CI] | IS ESS | minus B: relative bias [95 % CI] | Holm p (registered) | rejects at "
+        "40,000 resamples, 20 seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    c = report["estimators"]["token_tis"]
     for name, entry in report["estimators"].items():
         described = CORRECTIONS[name].description if name in CORRECTIONS else "noise floor: split-half on-policy"
         diff = report["differences"].get(f"{name} - none", {}).get("relative_bias")
@@ -157,11 +201,16 @@ def corrections(r) -> str:
             a["primary"]["bootstrap"] if name == "token_tis" else None
         )
         holm = "primary" if name == "token_tis" else _holm(test)
+        if name == "veto" and entry == c:
+            holm += " (identical to C: the veto never fired, so this test repeats the primary)"
+        stable = "primary" if name == "token_tis" else _stable(r, f"{name} - B, late, lag 8")
+        mse = with_drop.get(f"{name} - drop", {}).get("relative_mse")
         ess = entry.get("ess")
         rows.append(
             f"| {described} | {_plain(entry['relative_bias'])} | {entry['cosine']['value']:.2f} | "
             f"{entry['relative_variance']['value']:.2f} | {entry['relative_mse']['value']:.2f} | "
-            f"{'–' if ess is None or ess != ess else f'{ess:.3f}'} | {_ci(diff) if diff else '–'} | {holm} |"
+            f"{_ci(mse) if mse else '–'} | {'–' if ess is None or ess != ess else f'{ess:.3f}'} | "
+            f"{_ci(diff) if diff else '–'} | {holm} | {stable} |"
         )
     return "\n".join(rows)
 
@@ -180,16 +229,18 @@ def lags(r) -> str:
     from benchmarks.experiments import gradient_fidelity
 
     a = _analysis(r)
+    drops = _c_minus_drop(r)
     rows = [
-        "| checkpoint | lag | prompts | B: relative bias | C: relative bias | C − B [95 % CI] | Holm p |",
-        "|---|---|---|---|---|---|---|",
+        "| checkpoint | lag | prompts | B: relative bias | C: relative bias | C − B [95 % CI] | Holm p | C's "
+        "relative MSE − drop [95 % CI] | C beats dropping (Holm over the 6 cells) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for checkpoint, lag in (("late", 1), ("late", 2), ("late", 4), ("late", 8), ("late", 16), ("early", 8)):
         cell = a["cells"].get(f"{checkpoint}_lag{lag}")
         complete = f"{checkpoint}_lag{lag}" not in a["incomplete"]
         if cell is None or not complete:
             planned = gradient_fidelity.PROMPTS[checkpoint]
-            rows.append(f"| {checkpoint} | {lag} | {planned} registered | not yet measured | | | |")
+            rows.append(f"| {checkpoint} | {lag} | {planned} registered | not yet measured | | | | | |")
             continue
         est = cell["report"]["estimators"]
         diff = cell["report"]["differences"]["token_tis - none"]["relative_bias"]
@@ -197,11 +248,24 @@ def lags(r) -> str:
             holm = "primary"
         else:
             holm = _holm(a["secondary"].get(f"C - B, {checkpoint}, lag {lag}"))
+        drop = drops[(checkpoint, lag)]
         rows.append(
             f"| {checkpoint} | {lag} | {cell['prompts']} | {_plain(est['none']['relative_bias'])} | "
-            f"{_plain(est['token_tis']['relative_bias'])} | {_ci(diff)} | {holm} |"
+            f"{_plain(est['token_tis']['relative_bias'])} | {_ci(diff)} | {holm} | {_ci(drop)} | "
+            f"{'yes' if drop['p_holm'] < 0.05 and drop['value'] < 0 else 'not shown'} (Holm p {_p4(drop['p_holm'])}) |"
         )
     return "\n".join(rows)
+
+
+def _c_minus_drop(r) -> dict:
+    """C's relative MSE minus the zero update's in each cell (40,000 resamples), Holm-adjusted over the cells."""
+    from hf_rlloss.recipe_support.fidelity_stats import holm
+
+    keys = (("late", 1), ("late", 2), ("late", 4), ("late", 8), ("late", 16), ("early", 8))
+    tests = {key: dict(_drop_report(r, *key)["differences"]["token_tis - drop"]["relative_mse"]) for key in keys}
+    for test, p in zip(tests.values(), holm([t["p"] for t in tests.values()])):
+        test["p_holm"] = p
+    return tests
 
 
 @plot("docs/gradient_fidelity.png")

@@ -73,6 +73,13 @@ def floor_terms(on: Sequence[np.ndarray]) -> dict[str, float]:
     return prompt_terms([o1, o2, o2, o1], [o3, o4])
 
 
+def floor_with_independent_cross_term(floor: Mapping[str, float]) -> dict[str, float]:
+    """The noise floor's terms with its cross term rebuilt from the others: ``b = s − (⟨o³, o²⟩ + ⟨o¹, o⁴⟩) + n``, so
+    ``c = (s + n − b) / 2`` is `floor_terms`' cross term whatever the stored ``c`` was (terms stored before
+    `floor_terms` paired independent groups read ``(‖o³‖² + ‖o⁴‖²) / 2`` there, the groups' variance included)."""
+    return {**floor, "c": (floor["s"] + floor["n"] - floor["b"]) / 2}
+
+
 def drop_terms(floor: Mapping[str, float]) -> dict[str, float]:
     """The per-prompt terms of the zero update (`DROP`) from the prompt's on-policy terms (any `prompt_terms` of it:
     only ``n`` is read): ``x¹ = x² = 0`` gives ``b = ⟨−o¹, −o²⟩ = n`` and ``c = s = v = 0``."""
