@@ -329,3 +329,27 @@ def followup_sizing(r) -> str:
         cells = " | ".join(f"{t['power'][n]['alpha_0.05']:.2f} / {t['power'][n]['alpha_0.0167']:.2f}" for n in counts)
         rows.append(f"| {name} | {t['mean']:+.2f} | {t['sd']:.2f} | {cells} |")
     return "\n".join(rows)
+
+
+@figure("gradient_fidelity.against_drop")
+def against_drop(r) -> str:
+    """C (the default) against dropping the stale batch in each cell of the late checkpoint, and sequence IS at 16."""
+    tests = _c_minus_drop(r)
+    shown = [lag for (c, lag), t in tests.items() if c == "late" and t["p_holm"] < 0.05 and t["value"] < 0]
+    parts = [f"lag {lag}: {_ci(tests[('late', lag)])}" for lag in (1, 2, 4, 8, 16)]
+    seq = _drop_report(r, "late", 16)["differences"]["sequence_tis - drop"]["relative_mse"]
+    return (
+        f"C's relative MSE minus dropping's, late checkpoint, {'; '.join(parts)}; shown below dropping (Holm over "
+        f"the 6 cells) at lags {', '.join(map(str, shown))}; sequence IS at lag 16: {_ci(seq)}"
+    )
+
+
+@figure("gradient_fidelity.zero_advantage")
+def zero_advantage(r) -> str:
+    """At the primary cell: the prompts whose stale groups had no advantage, and their share of C's squared bias."""
+    report = _drop_report(r, "late", 8)
+    share = report["estimators"]["token_tis"]["zero_advantage_bias_share"]
+    return (
+        f"at lag 8, {report['zero_advantage_prompts']} of the {report['prompts']} prompts are such prompts, and they "
+        f"hold {share:.2f} of C's summed squared bias"
+    )
