@@ -178,7 +178,15 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
     trainer.save_metrics("train", result.metrics)
     trainer.save_state()
 
-    # Stage 6: save, model card, optional push to the Hub
+    # Stage 6: save, model card, optional push to the Hub, the run's summary
+    save_and_summarize(trainer, script_args, training_args, model_args, summary)
+    # Stage 7: end cleanly: a colocated vLLM engine shut down, trackers finished, every process group destroyed
+    end_cleanly(trainer)
+
+
+def save_and_summarize(trainer, script_args, training_args, model_args, summary: RunSummaryCallback) -> None:
+    """Save the model with TRL's model card completed (`base_model`: its Hub origin), push it when asked, and print
+    and write the run's summary (`run_summary.json`) on the main process."""
     card = {
         "dataset_name": script_args.dataset_name,
         "tags": ["hf-rlloss", "grpo"],
@@ -195,7 +203,11 @@ def main(script_args: GRPOScriptArguments, training_args: RLLossGRPOConfig, mode
         curves = os.path.join(training_args.output_dir, "training_curves.png") if script_args.plot else None
         print(summary.summary(training_args.output_dir, curves), flush=True)
         summary.write(os.path.join(training_args.output_dir, "run_summary.json"), training_args.output_dir, curves)
-    # Stage 7: end cleanly: a colocated vLLM engine shut down, trackers finished, every process group destroyed
+
+
+def end_cleanly(trainer) -> None:
+    """End the run: a colocated vLLM engine shut down, trackers finished, every process group destroyed; with several
+    processes, the interpreter's teardown skipped."""
     trainer.accelerator.wait_for_everyone()
     several = trainer.accelerator.num_processes > 1
     shutdown_vllm_engine(trainer)  # before the groups it uses are destroyed

@@ -96,10 +96,11 @@ def plan(work: Path = WORK, device: str = "cuda") -> list[Step]:
     return steps
 
 
-def _plan(work: Path, device: str) -> list[Step]:
+def _loss_steps(work: Path, device: str) -> list[Step]:
+    """The loss step against TRL's chunked kernel at each of the device's hidden sizes (named by the CUDA sizes)."""
     size = SIZES[device]
     dtype = "bf16" if device == "cuda" else "fp32"
-    loss_steps = [
+    return [
         Step(
             f"loss_step_h{hidden_cuda}",
             f"the loss step against TRL's chunked kernel, {dtype}, hidden size {hidden}, {size['tokens']} tokens x "
@@ -133,6 +134,11 @@ def _plan(work: Path, device: str) -> list[Step]:
         )  # fmt: skip
         for i, (hidden, hidden_cuda) in enumerate(zip(size["hidden"], SIZES["cuda"]["hidden"]))
     ]
+
+
+def _plan(work: Path, device: str) -> list[Step]:
+    size = SIZES[device]
+    loss_steps = _loss_steps(work, device)
     return [
         Step(
             "cuda_tests",

@@ -55,7 +55,7 @@ from hf_rlloss.parallel.layouts import (
 )
 from hf_rlloss.parallel.ulysses import use_ulysses_attention
 from hf_rlloss.trainer.common import packing as packing_module
-from hf_rlloss.trainer.common.forwards import _roll_rows, prompt_and_completion, right_aligned
+from hf_rlloss.trainer.common.forwards import prompt_and_completion, right_aligned, roll_rows
 from hf_rlloss.trainer.common.lm_head import causal_lm
 from hf_rlloss.trainer.common.packing import prepare_packing
 from hf_rlloss.trainer.common.transformers_compat import transformers_at_least
@@ -630,9 +630,9 @@ def test_right_aligned_rows_roll_back():
     ids, mask = prompt_and_completion(data)
     aligned_ids, aligned_mask = right_aligned(data, ids, mask)
     assert aligned_ids[2].tolist() == [8, 9, 23, 24, 25, PAD] and aligned_mask[2].tolist() == [1, 1, 1, 1, 1, 0]
-    assert torch.equal(_roll_rows(data, aligned_ids, -1), ids)
+    assert torch.equal(roll_rows(data, aligned_ids, -1), ids)
     states = torch.randn(*ids.shape, 3)
-    assert torch.equal(_roll_rows(data, right_aligned(data, states)[0], -1), states)
+    assert torch.equal(roll_rows(data, right_aligned(data, states)[0], -1), states)
 
 
 def test_routing_replay_is_refused_with_right_aligned_rows():

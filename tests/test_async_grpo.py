@@ -509,10 +509,10 @@ def _write_half_then_die(channel, payload_bytes: int) -> None:
     import pickle
     import signal
 
-    from hf_rlloss.trainer.async_.rollout.channel import _HEADER
+    from hf_rlloss.trainer.async_.rollout.channel import HEADER
 
     payload = pickle.dumps(np.random.default_rng(0).bytes(payload_bytes))
-    os.write(channel._writer.fileno(), _HEADER.pack(len(payload)) + payload[: len(payload) // 2])
+    os.write(channel._writer.fileno(), HEADER.pack(len(payload)) + payload[: len(payload) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -286,6 +286,20 @@ def test_a_violation_is_caught(tmp_path, monkeypatch):
         module.unlink(missing_ok=True)
 
 
+def test_the_loss_layers_names_stay_importable_where_they_were():
+    """The loss layer's stages are files (`config`, `kwargs`, `context`, `grpo_context`); `loss.context` still gives
+    every name it gave, and the package the same objects."""
+    from hf_rlloss import loss
+    from hf_rlloss.loss import context, grpo_context, kwargs
+
+    assert context.GRPOLossContext is grpo_context.GRPOLossContext is loss.GRPOLossContext
+    assert context.train_policy_metrics is grpo_context.train_policy_metrics is loss.train_policy_metrics
+    assert context.BaseRLLossKwargs is kwargs.BaseRLLossKwargs is loss.BaseRLLossKwargs
+    assert context.prepare_kwargs is kwargs.prepare_kwargs and context.BaseRLLossContext is loss.BaseRLLossContext
+    with pytest.raises(AttributeError, match="no_such_name"):
+        context.no_such_name  # noqa: B018
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Sizes and seams: no function over 80 lines, no class over 450, no private name imported from another module
 
@@ -307,14 +321,19 @@ def _too_long(root: Path) -> dict[str, int]:
     return found
 
 
-def _private_imports(root: Path) -> list[str]:
-    """`path:line name` of each private name (`_x`, not `__x__`) a module of `root` imports from another module of
-    the package."""
+def _private_imports(root: Path, packages: set[str] | None = None) -> list[str]:
+    """`path:line name` of each private name (`_x`, not `__x__`) a module of `root` imports from another module: a
+    relative import, or one from `packages` (default: `root`'s own package). A private submodule (`from . import
+    _age`, a file `_age.py`) is a module, not a name, and is not counted."""
+    packages = {root.name} if packages is None else packages
     found = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(root.name)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in packages):
+                base = path.parents[node.level - 1] if node.level else root.parent
+                folder = base.joinpath(*(node.module or "").split(".")) if node.module else base
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                private = [name for name in private if not (folder / f"{name}.py").is_file()]
                 found += [f"{path.relative_to(root.parent).as_posix()}:{node.lineno} {name}" for name in private]
     return found
 
@@ -329,6 +348,57 @@ def test_no_function_over_80_lines_and_no_class_over_450():
 
 def test_no_module_imports_a_private_name_of_another():
     assert not _private_imports(PACKAGE), "make the name public where it is defined, or move it"
+
+
+# The same limits wherever the repository's Python lives: the benchmarks, the recipes and the scripts; and the tests
+# reach the package and the benchmarks through public names only.
+SCRIPT_ROOTS = ("benchmarks", "recipes", "scripts")
+
+
+def check_sizes(root: Path) -> None:
+    """Fail naming each function of `root` over `FUNCTION_LINES` lines (each class over `CLASS_LINES`)."""
+    found = _too_long(root)
+    assert not found, f"split these (functions <= {FUNCTION_LINES} lines, classes <= {CLASS_LINES}): {found}"
+
+
+def check_seams(root: Path) -> None:
+    """Fail naming each private name a module of `root` imports from another module: of its own folder (a sibling
+    imported by its plain name, as the recipes do), of `benchmarks/` or of the package."""
+    siblings = {p.stem for p in root.rglob("*.py")}
+    found = _private_imports(root, {root.name, "benchmarks", "hf_rlloss"} | siblings)
+    assert not found, f"make the name public where it is defined, or test through the public one: {found}"
+
+
+@pytest.mark.parametrize("root", SCRIPT_ROOTS)
+def test_no_function_over_80_lines_in_the_benchmarks_recipes_and_scripts(root):
+    check_sizes(PACKAGE.parent / root)
+
+
+@pytest.mark.parametrize("root", SCRIPT_ROOTS)
+def test_no_private_name_imported_across_modules_in_the_benchmarks_recipes_and_scripts(root):
+    check_seams(PACKAGE.parent / root)
+
+
+def test_the_tests_import_no_private_name_of_the_package_or_the_benchmarks():
+    tests = PACKAGE.parent / "tests"
+    found = _private_imports(tests, {"benchmarks", "hf_rlloss"})
+    assert not found, f"give the test a public name, or test through the public API: {found}"
+
+
+def test_a_long_function_in_benchmarks_and_a_private_import_in_recipes_are_caught(tmp_path):
+    benchmarks, recipes = tmp_path / "benchmarks", tmp_path / "recipes"
+    (benchmarks / "performance").mkdir(parents=True)
+    recipes.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES))  # with the `def` line: one over
+    (benchmarks / "performance" / "probe.py").write_text(f"def fits():\n    return 0\n\n\ndef run():\n{body}")
+    (recipes / "grpo.py").write_text("def _helper():\n    return 0\n")
+    (recipes / "probe.py").write_text("from grpo import _helper\nfrom hf_rlloss.trainer.grpo_trainer import _hidden\n")
+    with pytest.raises(AssertionError, match=r"benchmarks/performance/probe\.py::run': 81"):
+        check_sizes(benchmarks)
+    with pytest.raises(AssertionError, match=r"recipes/probe\.py:1 _helper', 'recipes/probe\.py:2 _hidden'"):
+        check_seams(recipes)
+    check_sizes(recipes)  # the checks read what they are given: nothing else is flagged
+    check_seams(benchmarks)
 
 
 def test_a_long_function_a_long_class_and_a_private_import_are_caught(tmp_path):

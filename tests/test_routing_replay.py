@@ -256,12 +256,12 @@ def test_packed_layouts_and_sp_shards_replay_each_tokens_route(mode):
     are counted; `routes_from_layout` gives every forwarded token its position's route; under sequence parallelism
     each rank replays the routes of exactly the tokens of its shard (`routed_forward`, as `sp_shard_inputs` splits
     the row), -1 on the SP padding."""
-    from hf_rlloss.trainer.common.packing import _BUILDERS
+    from hf_rlloss.trainer.common.packing import LAYOUT_BUILDERS
     from hf_rlloss.trainer.common.routing_replay import routed_forward, set_batch_routes, shared_route_counts
     from hf_rlloss.trainer.common.sp_batch import SPMicroBatch
 
     batch, routes = _grouped_batch()
-    layout = _BUILDERS[mode](
+    layout = LAYOUT_BUILDERS[mode](
         batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
     )
     rows = layout_routes(routes, layout)  # (N, 2, 2)

@@ -8,7 +8,7 @@ from _dist import FakeSPMesh, run_distributed
 
 from hf_rlloss.parallel.sequence import build_sp_mesh, sp_split
 from hf_rlloss.trainer.common import sp_batch
-from hf_rlloss.trainer.common.packing import _BUILDERS
+from hf_rlloss.trainer.common.packing import LAYOUT_BUILDERS
 from hf_rlloss.trainer.common.sp_batch import SPMicroBatch, pool_fill_value, pool_over_group, shared_permutation
 
 PAD, IGNORE = 0, -100
@@ -28,7 +28,7 @@ def _ragged_batch():
 
 
 def _micro_batch(batch, mode, mesh):
-    layout = _BUILDERS[mode](
+    layout = LAYOUT_BUILDERS[mode](
         batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
     )
     return SPMicroBatch.from_layout(layout, mesh, PAD)

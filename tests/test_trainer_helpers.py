@@ -14,7 +14,7 @@ from hf_rlloss.trainer.common.rollout_recording import (
     truncation_replay,
     unreplayable_truncation,
 )
-from hf_rlloss.trainer.grpo_trainer import _adapted_entropy_coef, _trl_is_ratio_per_token
+from hf_rlloss.trainer.grpo_trainer import adapted_entropy_coef, trl_is_ratio_per_token
 
 
 def test_replay_warpers_in_generate_order_and_none_without_truncation():
@@ -75,14 +75,14 @@ def test_head_operands_dtypes():
 
 def test_adapted_entropy_coef_moves_towards_the_target_within_bounds():
     args = SimpleNamespace(entropy_target=0.5, entropy_coef_delta=0.1, entropy_coef_min=0.0, entropy_coef_max=0.25)
-    assert _adapted_entropy_coef(0.1, entropy=0.4, args=args) == pytest.approx(0.2)  # too little entropy: more
-    assert _adapted_entropy_coef(0.2, entropy=0.4, args=args) == 0.25  # clamped
-    assert _adapted_entropy_coef(0.05, entropy=0.6, args=args) == 0.0  # too much: less, clamped at the minimum
+    assert adapted_entropy_coef(0.1, entropy=0.4, args=args) == pytest.approx(0.2)  # too little entropy: more
+    assert adapted_entropy_coef(0.2, entropy=0.4, args=args) == 0.25  # clamped
+    assert adapted_entropy_coef(0.05, entropy=0.6, args=args) == 0.0  # too much: less, clamped at the minimum
 
 
 def test_trl_sequence_ratio_on_the_first_valid_token_for_absorbing_losses():
     labels = torch.tensor([[-100, 5, 6], [7, 8, -100]])
     ratio = torch.tensor([[2.0], [3.0]])
-    placed = _trl_is_ratio_per_token(ratio, labels, -100, absorbs=True)
+    placed = trl_is_ratio_per_token(ratio, labels, -100, absorbs=True)
     assert placed.tolist() == [[1.0, 2.0, 1.0], [3.0, 1.0, 1.0]]
-    assert _trl_is_ratio_per_token(ratio, labels, -100, absorbs=False).tolist() == [[2.0] * 3, [3.0] * 3]
+    assert trl_is_ratio_per_token(ratio, labels, -100, absorbs=False).tolist() == [[2.0] * 3, [3.0] * 3]

@@ -311,7 +311,7 @@ def test_the_async_vllm_worker_refuses_full_support_under_truncation(tmp_path):
 def test_the_cpu_shim_keeps_plain_weights_for_linear_layers_only():
     # vLLM's CPU dispatch packs the weight and empties the parameter; the shim keeps the parameter and computes
     # with F.linear (so load_weights reaches what the layer computes with), and leaves non-2-D weights to vLLM.
-    from hf_rlloss.trainer.common.vllm_cpu import _reloadable
+    from hf_rlloss.trainer.common.vllm_cpu import reloadable
 
     calls = []
 
@@ -319,7 +319,7 @@ def test_the_cpu_shim_keeps_plain_weights_for_linear_layers_only():
         calls.append(layer)
         layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
-    dispatch = _reloadable(vllm_dispatch)
+    dispatch = reloadable(vllm_dispatch)
     linear = torch.nn.Linear(4, 3)
     weight = linear.weight
     dispatch(linear, True)

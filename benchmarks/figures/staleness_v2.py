@@ -38,13 +38,13 @@ def folder_stamps(folder) -> tuple:
     return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.glob("*.json")))
 
 
-def _data(r) -> dict:
+def analysis_data(r) -> dict:
     return {"meta": r(ANALYSIS)["meta"], **recompute(ANALYSIS, r(ANALYSIS))}
 
 
 @figure("staleness_v2.primary")
 def primary(r) -> str:
-    data = _data(r)
+    data = analysis_data(r)
     p = data["primary"]
     t = p["paired_t"]
     verdict = "C above B" if p["positive"] else "no difference detected"
@@ -63,7 +63,7 @@ def _interval(t: dict) -> str:
 @table("staleness_v2.comparisons")
 def comparisons(r) -> str:
     """The pre-registered comparisons: the primary first, then the five secondary ones with their Holm p-values."""
-    data = _data(r)
+    data = analysis_data(r)
     rows = [
         "| comparison | metric | lag | lr | seeds | mean difference [95 % CI] | t (df) | p | Holm p "
         "| pooled McNemar p (supporting) |",
@@ -85,7 +85,7 @@ def comparisons(r) -> str:
 @figure("staleness_v2.lag_reading")
 def lag_reading(r) -> str:
     """The pre-registered reading of the lag curve: the smallest lag whose comparison rejects."""
-    data = _data(r)
+    data = analysis_data(r)
     by_lag = {c["lag"]: c for c in data["secondary"] if c["metric"] == "heldout_accuracy" and c["x"] == "C"
               and c["y"] == "B" and c["learning_rate"] == data["primary"]["learning_rate"]}  # fmt: skip
     by_lag[data["primary"]["lag"]] = {**data["primary"], "holm_p": data["primary"]["paired_t"]["p"]}
@@ -99,7 +99,7 @@ def lag_reading(r) -> str:
 @table("staleness_v2.cells")
 def cells(r) -> str:
     """Exploratory: each cell's mean held-out accuracy with its 95 % t interval over seeds, and training figures."""
-    data = _data(r)
+    data = analysis_data(r)
     rows = [
         f"| lag | arm | lr | seeds | held-out accuracy [95 % CI] | change from untrained "
         f"({data['untrained_accuracy']:.3f}) | reward AUC | zero-loss steps |",
@@ -119,7 +119,7 @@ def cells(r) -> str:
 def primary_support(r) -> str:
     """The primary comparison's registered supporting statistics: the sign test, the bootstrap interval and the
     pooled McNemar test with its interval."""
-    p = _data(r)["primary"]
+    p = analysis_data(r)["primary"]
     mc = p["mcnemar_pooled"]
     return (
         f"{sign_and_bootstrap(p)}; pooled McNemar over {mc['n']} (seed, item) pairs: difference {mc['diff']:+.3f} "
@@ -141,7 +141,7 @@ def realized_power(r) -> str:
     """What the primary test could detect, given the spread of the per-seed differences it measured."""
     from benchmarks.shared import stats
 
-    t = _data(r)["primary"]["paired_t"]
+    t = analysis_data(r)["primary"]["paired_t"]
     detectable = stats.min_detectable_difference(t["sd_diff"], t["n"])
     power = stats.paired_t_power(abs(t["mean_diff"]), t["sd_diff"], t["n"])
     return (

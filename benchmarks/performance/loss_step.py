@@ -139,7 +139,7 @@ def _run_once(method, tokens, vocab, hidden, device, dtype_name, chunk_size=0, s
     return {"seconds": seconds, "peak_mb": peak, "step_times": times}
 
 
-def _measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0, steps=1):
+def measure(method, tokens, vocab, hidden, device, dtype, chunk_size=0, steps=1):
     cmd = [*python_module("benchmarks.performance.loss_step"), "--_one", method, str(tokens), str(vocab), str(hidden)]
     cmd += [device, dtype, str(chunk_size), str(steps)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -194,7 +194,7 @@ def main():
             for _ in range(args.repeats):
                 for m in methods:  # interleaved: machine noise hits every method alike
                     samples[m].append(
-                        _measure(m, tokens, vocab, args.hidden, args.device, args.dtype, args.chunk_size, args.steps)
+                        measure(m, tokens, vocab, args.hidden, args.device, args.dtype, args.chunk_size, args.steps)
                     )
             row = {"tokens": tokens, "vocab": vocab, "hidden": args.hidden, "dtype": args.dtype}
             for m, runs in samples.items():

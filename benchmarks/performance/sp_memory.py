@@ -36,31 +36,14 @@ from benchmarks.shared.memory import reset_peak_rss, status_kb
 from benchmarks.shared.provenance import ROOT, provenance
 
 
-def worker(cli) -> None:
+def _model(cli, device, mesh):
+    """The Qwen2 model of the command line's shape (seed 0) on `device`, training, with the Ulysses attention under
+    SP and activation checkpointing under `--grad-ckpt`."""
     import torch
-    import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from hf_rlloss import GRPOLossConfig, GRPOLossContext
-    from hf_rlloss.parallel import (
-        build_sp_mesh,
-        register_ulysses_attention,
-        sp_shard_inputs,
-        ulysses_sequence_parallel,
-    )
-    from hf_rlloss.trainer.common.packing import pack_rows
+    from hf_rlloss.parallel import register_ulysses_attention
     from hf_rlloss.trainer.common.transformers_compat import enable_checkpointing
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available() and not cli.cpu
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, cli.cores // world))
-    if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    mesh = build_sp_mesh(world, device_type=device.type)
 
     config = Qwen2Config(
         vocab_size=cli.vocab,
@@ -78,6 +61,16 @@ def worker(cli) -> None:
     if cli.grad_ckpt:
         enable_checkpointing(model, {"use_reentrant": False})
     model.train()
+    return model
+
+
+def _micro_batch(cli, device):
+    """One packed micro-batch of `--seqs` sequences of `--tokens / --seqs` tokens each (seed 1): the loss config, the
+    packed layout, the labels, the old log-probs and the per-sequence advantages."""
+    import torch
+
+    from hf_rlloss import GRPOLossConfig
+    from hf_rlloss.trainer.common.packing import pack_rows
 
     # one micro-batch of `seqs` sequences of tokens/seqs tokens each (a 128-token prompt, the rest completion)
     g = torch.Generator().manual_seed(1)
@@ -90,6 +83,29 @@ def worker(cli) -> None:
     labels = packed.pack(completion_ids, cfg.ignore_idx)
     old = packed.pack(torch.full(completion_ids.shape, -8.3, device=device), 0.0)
     advantages = torch.randn(cli.seqs, generator=g).to(device)
+    return cfg, packed, labels, old, advantages
+
+
+def worker(cli) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hf_rlloss import GRPOLossContext
+    from hf_rlloss.parallel import build_sp_mesh, sp_shard_inputs, ulysses_sequence_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available() and not cli.cpu
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, cli.cores // world))
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    mesh = build_sp_mesh(world, device_type=device.type)
+
+    model = _model(cli, device, mesh)
+    cfg, packed, labels, old, advantages = _micro_batch(cli, device)
     input_ids, position_ids = sp_shard_inputs(packed.input_ids, packed.position_ids, mesh, 0)
 
     def step() -> float:
@@ -144,6 +160,20 @@ def worker(cli) -> None:
             json.dump(results, f)
 
 
+def _print_table(rows: list[dict]) -> None:
+    """The rows as a Markdown table, each against `sp_size` 1 at its length."""
+    print("| tokens | sp | tokens/rank | peak MB/rank (max) | vs sp=1 | step s | vs sp=1 |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = next((b for b in rows if b["tokens"] == r["tokens"] and b["sp"] == 1), None)
+        mem = f"{r['peak_mb_max'] / base['peak_mb_max']:.2f}×" if base else "-"
+        speed = f"{r['step_s'] / base['step_s']:.2f}×" if base else "-"
+        print(
+            f"| {r['tokens']} | {r['sp']} | {r['local_tokens']} | {r['peak_mb_max']:.0f} | {mem} | "
+            f"{r['step_s']:.2f} | {speed} |"
+        )
+
+
 def run(cli) -> None:
     model_args = [
         "--hidden", str(cli.hidden), "--layers", str(cli.layers), "--heads", str(cli.heads),
@@ -192,16 +222,7 @@ def run(cli) -> None:
             )
 
     print()
-    print("| tokens | sp | tokens/rank | peak MB/rank (max) | vs sp=1 | step s | vs sp=1 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        base = next((b for b in rows if b["tokens"] == r["tokens"] and b["sp"] == 1), None)
-        mem = f"{r['peak_mb_max'] / base['peak_mb_max']:.2f}×" if base else "-"
-        speed = f"{r['step_s'] / base['step_s']:.2f}×" if base else "-"
-        print(
-            f"| {r['tokens']} | {r['sp']} | {r['local_tokens']} | {r['peak_mb_max']:.0f} | {mem} | "
-            f"{r['step_s']:.2f} | {speed} |"
-        )
+    _print_table(rows)
     import torch
 
     meta = provenance() | {

@@ -53,7 +53,7 @@ __all__ = ["RLLossGRPOConfig", "RLLossGRPOTrainer"]
 logger = logging.get_logger(__name__)
 
 
-def _trl_is_ratio_per_token(ratio: torch.Tensor, labels: torch.Tensor, ignore_idx: int, absorbs: bool) -> torch.Tensor:
+def trl_is_ratio_per_token(ratio: torch.Tensor, labels: torch.Tensor, ignore_idx: int, absorbs: bool) -> torch.Tensor:
     """`(B, C)` rollout IS weights from TRL's `importance_sampling_ratio` (`(B, C)` or sequence-level `(B, 1)`).
 
     A sequence-level ratio enters a loss that absorbs the IS weights (VESPO: `Σ_t log w`) once: it is put on each
@@ -66,7 +66,7 @@ def _trl_is_ratio_per_token(ratio: torch.Tensor, labels: torch.Tensor, ignore_id
     return ratio.expand_as(labels)
 
 
-def _adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -> float:
+def adapted_entropy_coef(coef: float, entropy: float, args: RLLossGRPOConfig) -> float:
     """TRL's adaptive entropy control (Skywork-OR1): move the coefficient by `entropy_coef_delta` towards more bonus
     when the step's entropy is at or below `entropy_target`, less otherwise, within `[entropy_coef_min, _max]`."""
     if entropy <= args.entropy_target:
@@ -423,7 +423,7 @@ class RLLossGRPOTrainer(
         ratio = inputs.get("importance_sampling_ratio")
         if ratio is not None:
             absorbs = self.rl_loss_config.policy_loss_cfg.spec.absorbs_rollout_is
-            data["rollout_is_weights"] = _trl_is_ratio_per_token(ratio, labels, ignore, absorbs)
+            data["rollout_is_weights"] = trl_is_ratio_per_token(ratio, labels, ignore, absorbs)
         return data
 
     def build_loss_context(self, inputs: dict[str, Any]) -> BaseRLLossContext:
@@ -473,7 +473,7 @@ class RLLossGRPOTrainer(
         self._rl_pending = deque(contexts)
 
     def _end_of_step_entropy_control(self) -> None:
-        """TRL's entropy bookkeeping at an optimizer step's end (`_adapted_entropy_coef` from the step's entropy
+        """TRL's entropy bookkeeping at an optimizer step's end (`adapted_entropy_coef` from the step's entropy
         over all ranks' tokens); TRL's own checkpointing saves and restores `entropy_coef`, `_last_world_entropy`."""
         if self.use_adaptive_entropy:
             # over the tokens the entropy bonus acts on, as TRL: those top_entropy_quantile keeps, else all
@@ -482,7 +482,7 @@ class RLLossGRPOTrainer(
             if not entropies:
                 raise RuntimeError("use_adaptive_entropy needs the step's entropy: keep rl_loss.compute_entropy=True")
             self._last_world_entropy = entropies[-1]  # reduced over all ranks' tokens by _log_rl_metrics
-            self.entropy_coef = _adapted_entropy_coef(self.entropy_coef, self._last_world_entropy, self.args)
+            self.entropy_coef = adapted_entropy_coef(self.entropy_coef, self._last_world_entropy, self.args)
         if self._entropy_bonus_enabled:
             self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 

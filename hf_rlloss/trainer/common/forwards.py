@@ -53,11 +53,11 @@ def prompt_and_completion(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Te
 def right_aligned(batch: dict[str, Any], *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`(B, P + C)` rows of a batch (its `prompt_and_completion` ids and mask, or `(B, P + C, H)` states) with each
     row rolled left by its prompt's left padding: the sequence from position 0, the padding after its completion
-    (`_roll_rows(batch, row, -1)` rolls a row back)."""
-    return tuple(_roll_rows(batch, row, 1) for row in rows)
+    (`roll_rows(batch, row, -1)` rolls a row back)."""
+    return tuple(roll_rows(batch, row, 1) for row in rows)
 
 
-def _roll_rows(batch: dict[str, Any], row: torch.Tensor, direction: int) -> torch.Tensor:
+def roll_rows(batch: dict[str, Any], row: torch.Tensor, direction: int) -> torch.Tensor:
     """Roll each row of `row` (dim 1) left (`direction=1`) or back right (`-1`) by its prompt's left padding."""
     prompt_mask = batch["prompt_mask"]
     padding = prompt_mask.size(1) - prompt_mask.sum(dim=1)  # (B,) TRL left-pads each prompt
@@ -217,7 +217,7 @@ class LossLayerForwards:
                 )
             hidden, router_logits = out if output_router_logits else (out, None)
             if aligned:
-                hidden = _roll_rows(batch, hidden, -1)
+                hidden = roll_rows(batch, hidden, -1)
             length = completion_ids.size(1)
             return hidden[:, -length - 1 : -1], router_logits, attention_mask, input_ids.numel()
         with packed_forward(), routed_forward(self._routing, batch, layout, count=count):

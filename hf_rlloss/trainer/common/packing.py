@@ -366,7 +366,7 @@ def prepare_packing(requested: str, lm: torch.nn.Module, disable_dropout: bool) 
     return mode, reason
 
 
-_BUILDERS = {"shared_prefix": pack_shared_prefix, "padding_free": pack_padding_free}
+LAYOUT_BUILDERS = {"shared_prefix": pack_shared_prefix, "padding_free": pack_padding_free}
 
 
 def build_layout(
@@ -392,4 +392,4 @@ def build_layout(
         if mode != "padding_free":
             raise ValueError(f"every_prompt=True needs packing='padding_free', got {mode!r}")
         return pack_padding_free(prompt_ids, prompt_mask, completion_ids, completion_mask, every_prompt=True)
-    return _BUILDERS[mode](prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return LAYOUT_BUILDERS[mode](prompt_ids, prompt_mask, completion_ids, completion_mask)

@@ -45,7 +45,7 @@ def _is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def _reloadable(dispatch: Callable[[torch.nn.Module, bool], None]) -> Callable[[torch.nn.Module, bool], None]:
+def reloadable(dispatch: Callable[[torch.nn.Module, bool], None]) -> Callable[[torch.nn.Module, bool], None]:
     @functools.wraps(dispatch)
     def dispatch_reloadable_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         if layer.weight.ndim != 2:  # not a linear layer: vLLM's own preparation
@@ -65,7 +65,7 @@ def use_reloadable_cpu_linear() -> bool:
 
     if not getattr(utils.dispatch_cpu_unquantized_gemm, "hf_rlloss_reloadable", False):
         # linear.py and vocab_parallel_embedding.py import the function from this module at each call
-        utils.dispatch_cpu_unquantized_gemm = _reloadable(utils.dispatch_cpu_unquantized_gemm)
+        utils.dispatch_cpu_unquantized_gemm = reloadable(utils.dispatch_cpu_unquantized_gemm)
     return True
 
 

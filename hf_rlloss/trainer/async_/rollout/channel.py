@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["LatestWeights", "SampleChannel", "SharedFlag"]
 
-_HEADER = struct.Struct("!Q")  # payload length
+HEADER = struct.Struct("!Q")  # payload length
 
 
 def _no_health_check() -> None: ...
@@ -110,7 +110,7 @@ class SampleChannel:
             raise queue.Full
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._sent.value += 1  # this process is the only writer
-        view = memoryview(_HEADER.pack(len(payload)) + payload)
+        view = memoryview(HEADER.pack(len(payload)) + payload)
         fd = self._writer.fileno()
         while view:
             view = view[os.write(fd, view) :]
@@ -146,13 +146,13 @@ class SampleChannel:
             self._buffer += chunk
 
     def _pop_frame(self) -> Any:
-        if len(self._buffer) < _HEADER.size:
+        if len(self._buffer) < HEADER.size:
             return _NOTHING
-        (size,) = _HEADER.unpack_from(self._buffer)
-        end = _HEADER.size + size
+        (size,) = HEADER.unpack_from(self._buffer)
+        end = HEADER.size + size
         if len(self._buffer) < end:
             return _NOTHING
-        obj = pickle.loads(bytes(self._buffer[_HEADER.size : end]))
+        obj = pickle.loads(bytes(self._buffer[HEADER.size : end]))
         del self._buffer[:end]
         self._received += 1
         if self._slots is not None:
