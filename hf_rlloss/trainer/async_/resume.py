@@ -6,7 +6,7 @@ worker starts again at the first prompt.
 * `prompt_index`: the first prompt (counted from the start of training, over epochs) of which no sample was trained.
   The samples generated but not trained at the save (pulled ahead by the trainer's dataloader, in the queue, being
   generated) are not saved: the resumed worker generates them again from there, each batch under the same seed
-  (`cpu_rollout.batch_seed`). The prompts counted as trained are those of the micro-batches the optimizer steps
+  (`rollout/loop.py`'s `batch_seed`). The prompts counted as trained are those of the micro-batches the optimizer steps
   trained (`RLLossAsyncGRPOTrainer.get_batch_samples`), not TRL's collator count, which also holds the micro-batch
   pulled ahead for the next step.
 * `model_version`: the policy version counter (the staleness of a sample is measured in it; the worker tags its
