@@ -175,6 +175,12 @@ def append_row(path: Path, new: dict, row: dict) -> None:
         path.with_suffix(".tmp").rename(path)
 
 
+def row_code(meta: dict) -> str:
+    """The code that measured a row: its process' commit, `+dirty` when the working tree had uncommitted changes (a
+    worker started later than the cell's first row records its own, not the file's)."""
+    return str(meta.get("git_commit")) + ("+dirty" if meta.get("git_dirty") else "")
+
+
 def _claim(path: Path, i: int) -> bool:
     """Whether this worker takes prompt `i` of the cell (a claim file created exclusively; see `run`)."""
     import os
@@ -226,6 +232,7 @@ def measure_cell(checkpoint: str, lag: int, count: int, seed: int, path: Path, t
         append_row(path, new, {
             "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": floor_terms(on),
             **stale, "rewards": {**on_rewards, **stale["rewards"]}, "seconds": round(time.time() - started, 1),
+            "code": row_code(new["meta"]),
         })  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.experiments.gradient_fidelity import append_row, per_prompt_rows
+from benchmarks.experiments.gradient_fidelity import append_row, per_prompt_rows, row_code
 from benchmarks.shared.provenance import ROOT, provenance
 
 OUT = ROOT / "benchmarks" / "results" / "gradient_fidelity_followup"
@@ -106,7 +106,7 @@ def run(threads: int) -> int:
             append_row(cell_file(lag), new, {
                 "prompt_index": i, "prompt": rows[i]["prompt"][-1]["content"], "floor": floor_terms(on), **stale,
                 "rewards": {**on_rewards, **stale["rewards"]}, "seconds": round(time.time() - started, 1),
-                "code": meta["git_commit"] + ("+dirty" if meta.get("git_dirty") else ""),
+                "code": row_code(meta),
             })  # fmt: skip
         print(f"prompt {i}: {time.time() - started:.0f} s", flush=True)
     return 0
