@@ -8,7 +8,9 @@ turn's calls as soon as the first of them is made, and TRL's loop then collects 
   within `tool_timeout_s` is a `ToolTimeoutError`, and its process is killed and replaced: a hung tool leaves no
   thread, no memory and no process behind. What a tool keeps in module state therefore lives in its process;
   `tool_processes=0` runs the tools in threads of the rollout process instead, and a tool defined in the script that
-  was run (`__main__`) always runs in one (`in_main_module`). A tool process dies with the rollout process (Linux);
+  was run (`__main__`) always runs in one (`in_main_module`). A tool process ends as soon as the rollout process is
+  gone, even in the middle of a call that hangs (it waits on the worker's pidfd); the fork server and the resource
+  tracker then end with it;
 * an **environment's method** runs in a thread of the rollout process (the environment's state lives there: the
   reward functions and `get_reward` read it), its calls one after another in the order the model wrote them. A
   thread whose call timed out cannot be stopped: the environment's later calls are refused (`ToolTimeoutError`)
@@ -27,6 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import multiprocessing
+import os
 import pickle
 import sys
 import threading
@@ -46,12 +49,29 @@ class HungToolCallsError(RuntimeError):
 
 # The program of a tool process (run by `exec`, so that starting one imports nothing but the tools' modules): run the
 # `(function, arguments)` requests on `conn` until it closes; reply `("ok", result)` or `("raised", pickled exception,
-# its text)`. The OS kills it with its parent (Linux).
+# its text)`. It ends as soon as the rollout worker that started it (`worker`, a PID) is gone, whatever it is running:
+# its parent is the fork server, which stays up while any tool process holds the server's liveness pipe, so neither
+# the parent-death signal (which would come from the fork server) nor the closed `conn` (unread during a call that
+# hangs) would end it; a thread waits on the worker's pidfd (Linux; elsewhere it polls the PID) instead.
 _SERVE = """
-import asyncio, inspect, pickle, sys
+import asyncio, inspect, os, pickle, select, sys, threading, time
 if sys.platform.startswith("linux"):
     import ctypes, signal
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+
+def watch(pid):
+    try:
+        select.select([os.pidfd_open(pid)], [], [])
+    except (AttributeError, OSError):  # no pidfd here, or the worker is already gone
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+    os._exit(3)
+
+threading.Thread(target=watch, args=(worker,), daemon=True).start()
 
 def run(request):
     try:
@@ -120,8 +140,8 @@ class _Slot:
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe()
         with _may_have_children(), _without_main():
-            self.process = ctx.Process(target=exec, args=(_SERVE, {"conn": child}), name="hf-rlloss-tool",
-                                       daemon=True)  # fmt: skip
+            program = {"conn": child, "worker": os.getpid()}
+            self.process = ctx.Process(target=exec, args=(_SERVE, program), name="hf-rlloss-tool", daemon=True)
             self.process.start()
         child.close()
         self.call: _Call | None = None
