@@ -353,3 +353,97 @@ def zero_advantage(r) -> str:
         f"at lag 8, {report['zero_advantage_prompts']} of the {report['prompts']} prompts are such prompts, and they "
         f"hold {share:.2f} of C's summed squared bias"
     )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The registered follow-up (`gradient_fidelity_followup`), recomputed from its cells' rows, and the exact check
+
+FOLLOWUP_CELLS = ("gradient_fidelity_followup/cell_lag1.json", "gradient_fidelity_followup/cell_lag16.json")
+EXACT = "gradient_fidelity_exact.json"
+
+
+@functools.lru_cache(maxsize=2)
+def _followup_of(texts: tuple) -> dict:
+    import json
+
+    from benchmarks.experiments import gradient_fidelity_followup
+
+    cells = {json.loads(t)["cell"]["lag"]: json.loads(t) for t in texts}
+    return gradient_fidelity_followup.analysis(cells)
+
+
+def _followup(r) -> dict:
+    import json
+
+    return _followup_of(tuple(json.dumps(r(name)) for name in FOLLOWUP_CELLS))
+
+
+@table("gradient_fidelity_followup.tests")
+def followup_tests(r) -> str:
+    """The registered tests of the follow-up, Holm over the three, on the prompts measured at both lags."""
+    a = _followup(r)
+    rows = [
+        f"Prompts measured at both lags: {a['prompts']} of the {a['planned']} planned.",
+        "",
+        "| test | value [95 % CI] | bootstrap p (Monte-Carlo error) | Holm p | rejects |",
+        "|---|---|---|---|---|",
+    ]
+    for name, t in a["tests"].items():
+        rows.append(
+            f"| {name} | {_ci(t)} | {_p4(t['p'])} ({t['p_mc_se']:.4f}, {t['resamples']:,} resamples) | "
+            f"{_p4(t['p_holm'])} | {'yes' if t['rejects_holm'] else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+@table("gradient_fidelity_followup.report")
+def followup_report(r) -> str:
+    """Each follow-up cell's estimators: relative bias, cosine, relative MSE, against dropping, the zero-advantage
+    share."""
+    a = _followup(r)
+    rows = [
+        "| lag | estimator | relative bias [95 % CI] | cosine [95 % CI] | relative MSE, 16 samples [95 % CI] | "
+        "MSE − drop [95 % CI] | share of squared bias from zero-advantage prompts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for lag, report in a["reports"].items():
+        for name, e in report["estimators"].items():
+            diff = report["differences"].get(f"{name} - drop", {}).get("relative_mse")
+            share = e.get("zero_advantage_bias_share")
+            rows.append(
+                f"| {lag} | {name} | {_plain(e['relative_bias'])} | {_plain(e['cosine'])} | "
+                f"{_plain(e['relative_mse'])} | {_ci(diff) if diff else '–'} | "
+                f"{'–' if share is None or share != share else f'{share:.2f}'} |"
+            )
+    return "\n".join(rows)
+
+
+@table("gradient_fidelity_exact.agreement")
+def exact_agreement(r) -> str:
+    """Each correction's exact relative bias against the diagnostic's estimate, per behaviour perturbation."""
+    data = r(EXACT)
+    rows = [
+        "| behaviour perturbation | estimator | exact relative bias | diagnostic, seed 0 [95 % CI] | inside | inside, "
+        "over the seeds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for level, entry in data["levels"].items():
+        for name, e in entry["agreement"]["corrections"].items():
+            rows.append(
+                f"| {level} | {name} | {e['exact']:.3f} | {_plain(e, 3)} | {'yes' if e['inside'] else 'no'} | "
+                f"{entry['coverage'][name]}/{entry['seeds']} |"
+            )
+    return "\n".join(rows)
+
+
+@table("gradient_fidelity_exact.objectives")
+def exact_objectives(r) -> str:
+    """Each correction's exact relative bias under the diagnostic's per-group objective and the trainer's."""
+    data = r(EXACT)
+    level, entry = next((k, v) for k, v in data["levels"].items() if "objectives" in v)
+    names = list(next(iter(entry["objectives"].values())))
+    rows = [f"| objective (behaviour perturbation {level}) | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names)]  # fmt: skip
+    for objective, values in entry["objectives"].items():
+        rows.append(f"| {objective} | " + " | ".join(f"{values[n]:.3f}" for n in names) + " |")
+    return "\n".join(rows)
