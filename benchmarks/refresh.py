@@ -4,7 +4,9 @@
     python -m benchmarks.refresh --stale             # re-run those commands, one after the other
 
 A results file is stale when `git log <its commit>..HEAD -- <the modules its benchmark measures>` lists a commit
-(`benchmarks/figures/_age.py`); its table's source line then says so. After a re-run, `python -m
+(`benchmarks/figures/_age.py`), unless pinned outputs verified at its commit cover every changed path
+(`benchmarks/shared/pins.py`: the code changed, its outputs on the recorded inputs did not); its table's source line
+then says which. After a re-run, `python -m
 benchmarks.tools.render_figures` renders the pages from the new files.
 """
 

@@ -4,7 +4,8 @@ A results file's `meta` names the commit it was measured at (`git_commit`). The 
 declares the package modules it measures (`MEASURES`, a tuple of repository paths; a file written outside a
 benchmark script declares them in its own `meta["measures"]`). When `git log <commit>..HEAD -- <modules>` lists a
 commit, the measured code changed after the measurement: a table's source line says so, and
-`python -m benchmarks.refresh --stale` re-runs the file's command.
+`python -m benchmarks.refresh --stale` re-runs the file's command, unless pinned outputs (`benchmarks/shared/pins.py`)
+show that the changed code gave the same outputs on their recorded inputs at the file's commit and now.
 
 The recorded command must parse with its script's own argument parser (`build_parser()` of a benchmark script,
 `parse_args(argv)` of a recipe) and, where the parser has `--out`, write the very file that records it.
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+
+from benchmarks.shared import pins
 
 ROOT = Path(__file__).resolve().parents[2]
 UNKNOWN = "unknown"
@@ -108,6 +111,14 @@ def age(meta: dict) -> tuple[str, bool]:
     changed = changed_since(commit, tuple(modules)) if modules else ()
     if changed is None:
         return f"{where}, a commit not in this repository", False
+    if changed:
+        cases = pins.vouching(commit, tuple(modules), scripts(meta))
+        if cases:
+            pinned = ", ".join(f"`benchmarks/shared/pins/{case}.json`" for case in cases)
+            return (
+                f"{where}; the measured code changed since, its outputs on the recorded inputs did not ({pinned})",
+                False,
+            )
     return (f"{where}; the measured code changed since" if changed else where), bool(changed)
 
 
