@@ -7,10 +7,11 @@ Two trainers, each a TRL-style config/trainer pair at the top of this package, a
   replaces); its parts in `sync/` (checkpoints, non-finite guard, dynamic sampling, old log-probs, SP data, saving);
 - asynchronous: `async_grpo_config`, `async_grpo_trainer` (`RLLossAsyncGRPOConfig`, `RLLossAsyncGRPOTrainer`, TRL's
   experimental async trainer with the loss layer, imported on first use: `trl.experimental` warns on import); its
-  parts in `async_/` (the HF-`generate` and vLLM rollout workers and the weight transfer for machines without a
-  vLLM server or NCCL);
+  parts in `async_/`: the trainer's mixins (staleness and every lag rule, packed rows, their attention, resume,
+  routing replay) and, in `async_/rollout/`, what runs in the rollout worker's process (the HF-`generate` and vLLM
+  workers, their loop, scoring and tool calling, and the weight transfer for machines without a vLLM server or NCCL);
 - shared by both: `common/` (forwards, LM head, reference model, engines, packing, SP batches, rollout recording,
-  multimodal inputs, vLLM's CPU build made reloadable).
+  group advantages, multimodal inputs, vLLM's CPU build made reloadable).
 
 The layer imports TRL, of the releases it is tested with (`check_trl_version`: another one is refused at import); it
 sits on the loss layer (`hf_rlloss.loss`) and the parallelism layer (`hf_rlloss.parallel`), and of the recipe
