@@ -168,6 +168,10 @@ def test_the_rollout_modules_old_paths_warn_once_and_give_the_same_objects():
         staleness.version_for_batch,
     )
     assert group_advantages is advantages.group_advantages and RolloutErrorPolicy is rollout.RolloutErrorPolicy
+    from hf_rlloss.trainer.async_ import resume
+
+    with pytest.warns(DeprecationWarning, match="hf_rlloss.trainer.async_.staleness"):
+        assert resume.check_fixed_lag_setup is staleness.check_fixed_lag_setup
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -106,3 +106,21 @@ def restore_rollout(state: dict, checkpoint_dir: str, worker: Any, transfer: Any
 
         for version, path in weights:
             transfer.keep(version, load_file(path))
+
+
+def __getattr__(name: str) -> Any:
+    """`check_fixed_lag_setup`, whose home is `staleness` with the other lag rules: read from there, with a
+    `DeprecationWarning`, for one release."""
+    if name == "check_fixed_lag_setup":
+        import warnings
+
+        from . import staleness
+
+        warnings.warn(
+            f"{__name__}.check_fixed_lag_setup is deprecated and will be removed in the next release: import it "
+            f"from {staleness.__name__}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return staleness.check_fixed_lag_setup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
