@@ -298,12 +298,16 @@ def cell_report(cell: dict, resamples: int = 4000, drop: bool = False, seed: int
 
 
 def report(resamples: int) -> int:
-    """The diagnostic's table of every measured cell, the zero update and the zero-advantage share included."""
-    from hf_rlloss.recipe_support.gradient_fidelity import format_report
+    """The diagnostic's table of every measured cell, the zero update and the zero-advantage share included, and per
+    cell the corrections shown to beat dropping the stale batch (Holm over every cell and correction but lag 0)."""
+    from hf_rlloss.recipe_support.gradient_fidelity import format_report, format_verdicts, verdicts
 
+    reports = {}
     for (checkpoint, lag), cell in load_cells().items():
         print(f"## {checkpoint} checkpoint, lag {lag}\n")
-        print(format_report({str(lag): cell_report(cell, resamples, drop=True)}))
+        reports[f"{checkpoint} checkpoint, lag {lag}"] = cell_report(cell, resamples, drop=True)
+        print(format_report({str(lag): reports[f"{checkpoint} checkpoint, lag {lag}"]}))
+    print(format_verdicts(verdicts({k: v for k, v in reports.items() if not k.endswith("lag 0")})))
     return 0
 
 

@@ -504,9 +504,13 @@ def format_verdicts(verdicts: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> 
     """One line per behaviour label: the corrections shown to beat dropping the stale batch there (`verdicts`)."""
     lines = ["Beats dropping the stale batch (relative MSE below 1, Holm-adjusted over every lag and correction):"]
     for label, tests in verdicts.items():
-        kept = [f"{name} ({_interval(t)}, Holm p {t['p_holm']:.3f})" for name, t in tests.items() if t["keep"]]
+        kept = [f"{name} ({_interval(t)}, Holm p {_p(t['p_holm'])})" for name, t in tests.items() if t["keep"]]
         lines.append(f"- {label}: " + (", ".join(kept) if kept else "no correction is shown to beat dropping"))
     return "\n".join(lines)
+
+
+def _p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def _interval(entry: Mapping[str, float]) -> str:
