@@ -37,7 +37,7 @@ from hf_rlloss.recipe_support.tools import (
     warm_up_tool_calls,
     with_tool_template,
 )
-from hf_rlloss.trainer.async_.multiturn import AgentSpec
+from hf_rlloss.trainer.async_.rollout import AgentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +142,11 @@ def build_rollout(script_args, training_args, model_path, dataset, reward_funcs,
     (`VLLMRolloutWorker` or `HFGenerateRolloutWorker`) and its shared-memory weight queue."""
     if script_args.vllm:
         return None, None
-    from hf_rlloss.trainer.async_.cpu_rollout import HFGenerateRolloutWorker, QueueWeightTransfer
+    from hf_rlloss.trainer.async_.rollout import HFGenerateRolloutWorker, QueueWeightTransfer
 
     worker_class, engine = HFGenerateRolloutWorker, {}
     if script_args.vllm_engine:
-        from hf_rlloss.trainer.async_.vllm_rollout import VLLMRolloutWorker as worker_class
+        from hf_rlloss.trainer.async_.rollout import VLLMRolloutWorker as worker_class
 
         engine = {"max_model_len": script_args.vllm_engine_max_model_len,
                   "kv_cache_gib": script_args.vllm_engine_kv_cache_gib}  # fmt: skip
