@@ -42,6 +42,8 @@ NAMES = ("none", "token_tis", "sequence_tis")
 REPLICATES = 500  # sampled draws of each prompt for the diagnostic's estimate
 SEEDS = 20  # sampling seeds the coverage of the diagnostic's intervals is counted over
 STALENESS = (0.1, 0.15)  # the behaviour policy: the policy's weights plus this much Gaussian noise
+MEASURES = ("hf_rlloss/recipe_support/gradient_fidelity.py", "hf_rlloss/recipe_support/fidelity_stats.py",
+            "hf_rlloss/recipe_support/grad_sketch.py", "hf_rlloss/loss")  # fmt: skip
 OBJECTIVES = [("group", 0.0), ("batch", 0.0), ("none", 0.0), ("group", 0.001)]  # (scale_rewards, KL coefficient)
 
 
@@ -231,11 +233,15 @@ def measure(replicates: int = REPLICATES, seeds: int = SEEDS, steps: bool = True
     return result
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicates", type=int, default=REPLICATES)
     parser.add_argument("--seeds", type=int, default=SEEDS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     torch.set_num_threads(1)
     started = time.time()
     result = {"meta": provenance(), **measure(args.replicates, args.seeds), "seconds": round(time.time() - started, 1)}

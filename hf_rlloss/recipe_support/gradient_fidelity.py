@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..loss.config import GRPOLossConfig
-from ..loss.context import GRPOLossContext
+from ..loss.grpo_context import GRPOLossContext
 from ..trainer.common.advantages import group_advantages, nanstd
 from ..trainer.common.sampling import generate_and_cut
 from .fidelity_stats import (
