@@ -7,10 +7,9 @@ trainer's handle on it.
   samples put on the queue, the heartbeat;
 - `process`: the spawned process, dying with the trainer's (`ProcessDyingWithParent`, `exit_with_parent`);
 - `channel`: the samples' channel read with a deadline (`SampleChannel`) and the newest weights only (`LatestWeights`);
-- `episodes`: one sampled conversation (`Episode`), the named rollout errors and the policy that decides about them
-  (`RolloutErrorPolicy`);
 - `scoring`: each prompt's group scored (`GroupScoring`): rewards, TRL's group advantages, TRL `RolloutSample`s;
-- `tool_calling/`: tools and environments in multi-turn rollouts;
+- `tool_calling/`: tools and environments in multi-turn rollouts, and their `episodes`: one sampled conversation
+  (`Episode`), the named rollout errors and the policy that decides about them (`RolloutErrorPolicy`);
 - the backends, each a `RolloutWorker` and its loop: `hf_generate` (`HFGenerateRolloutWorker`, HF `generate`, for
   machines without vLLM or NCCL) and `vllm` (`VLLMRolloutWorker`, an in-process vLLM engine).
 
@@ -23,7 +22,11 @@ The names a user of the asynchronous trainer imports are importable from here:
 The lag rules the worker obeys (`weight_lag`, `fixed_lag`) are the trainer's, in `async_/staleness.py`.
 """
 
-from .episodes import (
+from .hf_generate import HFGenerateLoop, HFGenerateRolloutWorker
+from .loop import WorkerLoop, WorkerSettings, batch_seed
+from .scoring import NoRolloutSamplesError
+from .tool_calling import AgentSpec, HungToolCallsError
+from .tool_calling.episodes import (
     ERROR_KINDS,
     ON_BUDGET_CUT,
     ON_ROLLOUT_ERROR,
@@ -37,10 +40,6 @@ from .episodes import (
     ToolRaisedError,
     ToolTimeoutError,
 )
-from .hf_generate import HFGenerateLoop, HFGenerateRolloutWorker
-from .loop import WorkerLoop, WorkerSettings, batch_seed
-from .scoring import NoRolloutSamplesError
-from .tool_calling import AgentSpec, HungToolCallsError
 from .vllm import VLLMRolloutWorker, VLLMWorkerLoop
 from .worker import VLLM_ONLY_OPTIONS, QueueWeightTransfer, RolloutWorker, RolloutWorkerDiedError
 

@@ -26,7 +26,7 @@ import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from ...common.advantages import group_advantages, nanstd
-from .episodes import Episode, NonFiniteRewardError, RolloutErrorPolicy
+from .tool_calling.episodes import Episode, NonFiniteRewardError, RolloutErrorPolicy
 
 __all__ = ["GroupScoring", "NoRolloutSamplesError", "summed_rewards"]
 

@@ -17,7 +17,7 @@ What the workers add to TRL's loop:
 * **One policy version per sample.** Every turn of a batch is sampled before the worker loads new weights (weights
   are loaded between batches only), so a sample's tokens all come from the version it is tagged with, and the rollout
   IS weight of each model token is taken against that policy.
-* **Named rollout errors** (`RolloutError`, `rollout/episodes.py`): a tool that raises (`ToolRaisedError`), a tool
+* **Named rollout errors** (`RolloutError`, `tool_calling/episodes.py`): a tool that raises (`ToolRaisedError`), a tool
   that does not return within `tool_timeout_s` (`ToolTimeoutError`), a reply that does not fit the context
   (`ContextOverflowError`), a tool call that does not parse or names no tool (`MalformedToolCallError`), and a turn
   cut by the completion budget in the middle of a tool call (`BudgetCutError`; a rollout error only under
@@ -53,7 +53,7 @@ from trl.chat_template_utils import (
     supports_tool_calling,
 )
 
-from ..episodes import (
+from .episodes import (
     BudgetCutError,
     ContextOverflowError,
     Episode,

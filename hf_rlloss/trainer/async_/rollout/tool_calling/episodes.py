@@ -96,7 +96,7 @@ class RolloutErrorPolicy:
     Example:
 
     ```python
-    >>> from hf_rlloss.trainer.async_.rollout.episodes import BudgetCutError, ToolRaisedError
+    >>> from hf_rlloss.trainer.async_.rollout.tool_calling.episodes import BudgetCutError, ToolRaisedError
     >>> policy = RolloutErrorPolicy("drop")
     >>> policy.dropped_kinds([BudgetCutError("cut"), ToolRaisedError("raised")])
     ['tool_raised']
