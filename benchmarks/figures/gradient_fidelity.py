@@ -410,8 +410,9 @@ def followup_report(r) -> str:
         for name, e in report["estimators"].items():
             diff = report["differences"].get(f"{name} - drop", {}).get("relative_mse")
             share = e.get("zero_advantage_bias_share")
+            cosine = "undefined" if e["cosine"]["value"] != e["cosine"]["value"] else _plain(e["cosine"])
             rows.append(
-                f"| {lag} | {name} | {_plain(e['relative_bias'])} | {_plain(e['cosine'])} | "
+                f"| {lag} | {name} | {_plain(e['relative_bias'])} | {cosine} | "
                 f"{_plain(e['relative_mse'])} | {_ci(diff) if diff else '–'} | "
                 f"{'–' if share is None or share != share else f'{share:.2f}'} |"
             )
